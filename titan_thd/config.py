@@ -1,0 +1,495 @@
+"""Configuration: nested dataclass sections, TOML files and `--section.field value` overrides.
+
+Precedence: command line > TOML file > defaults. Every field has a docstring (the string literal
+right after it), which `--help` prints. Unknown keys, wrong types and invalid values are
+`ValueError`s that name the field, the value and what is allowed. `validate()` runs before any
+process group exists.
+
+    cfg = load_config(["--job.config_file", "train_configs/debug_dense_thd.toml",
+                       "--training.steps", "20"])
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import json
+import sys
+import typing
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+# ============================================================================ sections
+@dataclass
+class Job:
+    config_file: str = ""
+    """TOML file this run was configured from (set by run_train.sh --config)."""
+    dump_folder: str = "./outputs"
+    """Folder for metrics.jsonl, TensorBoard events and checkpoints."""
+    description: str = ""
+    """Free text shown in the log header."""
+    print_config: bool = False
+    """Print the merged configuration as TOML and exit."""
+
+
+@dataclass
+class Model:
+    name: str = "llama"
+    """Model family: `llama` (dense GQA transformer) or `dsv4` (DeepSeek-V4-Flash hybrid)."""
+    flavor: str = "debug"
+    """Size preset of the model family (llama: debug, bench; dsv4: micro, tiny, flash)."""
+    hf_path: str = ""
+    """Hugging Face checkpoint folder (config.json + safetensors) to initialise the weights from."""
+    attention_backend: str = "native"
+    """`native` (pure PyTorch, the reference) or `te` (Transformer Engine, CUDA only)."""
+    mtp_loss_weight: float = 0.1
+    """dsv4: weight of the multi-token-prediction loss."""
+    indexer_loss_coeff: float = 0.01
+    """dsv4: coefficient of the lightning-indexer KL loss (0 disables it)."""
+    indexer_loss_mode: str = "sparse"
+    """dsv4: `dense` (KL over every visible compressed entry) or `sparse` (only the top-k)."""
+    router_bias_update_rate: float = 0.001
+    """dsv4: step size of the aux-loss-free expert bias update (0 freezes the bias)."""
+
+
+@dataclass
+class Data:
+    source: str = "mock"
+    """`mock` (generated lengths), `jsonl`, `parquet` or `packed` (output of prepare_packed_data.py)."""
+    path: str = ""
+    """Dataset file or folder. Relative paths resolve against the working directory, then the
+    package assets (`titan_thd/assets/`), where the embedded default dataset lives."""
+    format: str = "auto"
+    """Record schema: `auto` (detect from the columns), `messages`, `sharegpt`, `alpaca` or `text`."""
+    tokenizer: str = "byte"
+    """`byte` (built-in byte-level tokenizer) or a path to a Hugging Face `tokenizer.json`."""
+    mock_config: dict = field(
+        default_factory=lambda: {
+            "mode": "distribution",
+            "type": "lognormal",
+            "min_seq_len": 16,
+            "max_seq_len": 1024,
+            "mean_seq_len": 192,
+            "lognormal_sigma": 1.0,
+        }
+    )
+    """Mock lengths: {mode="distribution", type="lognormal", min_seq_len, max_seq_len,
+    mean_seq_len, lognormal_sigma} or {mode="file", path="lengths.csv"}."""
+    num_samples: int = 0
+    """Mock source: number of samples (0 = 100,000)."""
+    pad_to_multiple: int = 1
+    """Pad every document to a multiple of this many tokens (zigzag CP needs 2*cp)."""
+    overlong: str = "truncate"
+    """Documents longer than training.tokens_per_microbatch: `truncate` or `drop` (both counted)."""
+    num_workers: int = 0
+    """DataLoader worker processes that pack microbatches (0 = in the training process)."""
+    shuffle: bool = True
+    """Shuffle the sample order every epoch (seeded by training.seed and the epoch)."""
+    cache_dir: str = ""
+    """Where tokenised datasets are cached (empty = <dump_folder>/data_cache)."""
+
+
+@dataclass
+class Training:
+    steps: int = 20
+    """Optimizer steps to run."""
+    seed: int = 42
+    """Seed of weights and data order; the same seed gives the same run on every parallel layout."""
+    global_batch_size: int = 32
+    """Samples (documents) per optimizer step, over all data-parallel replicas."""
+    tokens_per_microbatch: int = 2048
+    """T: tokens per packed microbatch of one data-parallel replica, before the CP split."""
+    planner: str = "balanced"
+    """Microbatch planner: `balanced` (minimise the slowest replica) or `dp_balanced` (Megatron)."""
+    planner_cost_attention: float = 0.0
+    """Planner cost weight b of sum(len^2) relative to a = 1 per token (0 = derive from the model)."""
+    max_norm: float = 1.0
+    """Gradient clipping norm (0 disables clipping)."""
+    dtype: str = "float32"
+    """Parameter and compute dtype: `float32` or `bfloat16`."""
+    deterministic: bool = False
+    """Use deterministic algorithms (for bitwise comparisons)."""
+
+
+@dataclass
+class Optimizer:
+    name: str = "adamw"
+    """`adamw` for every parameter, or `muon` (Muon for matrices, AdamW for the rest)."""
+    lr: float = 3e-4
+    """Peak learning rate."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    muon_momentum: float = 0.95
+    """Muon momentum (Nesterov)."""
+    muon_ns_steps: int = 5
+    """Muon Newton-Schulz iterations."""
+
+
+@dataclass
+class LRScheduler:
+    warmup_steps: int = 2
+    """Linear warmup steps from 0 to optimizer.lr."""
+    decay: str = "cosine"
+    """Decay after warmup: `cosine`, `linear` or `none`."""
+    min_lr_factor: float = 0.1
+    """Final learning rate as a fraction of optimizer.lr."""
+    total_steps: int = 0
+    """Length of the schedule (0 = training.steps); pin it so a resumed run gets the same schedule."""
+
+
+@dataclass
+class Parallelism:
+    data_parallel_shard_degree: int = -1
+    """FSDP degree; -1 = the processes left after the other degrees."""
+    context_parallel_degree: int = 1
+    """Ranks that split one microbatch's tokens."""
+    context_parallel_mode: str = "zigzag"
+    """`zigzag` (dense causal attention) or `contiguous` (required by dsv4)."""
+    tensor_parallel_degree: int = 1
+    """Ranks that split attention heads and MLP columns."""
+    pipeline_parallel_degree: int = 1
+    """Pipeline stages."""
+    pipeline_parallel_schedule: str = "1F1B"
+    """Pipeline schedule: `1F1B`, `GPipe` or `Interleaved1F1B`."""
+
+
+@dataclass
+class Checkpoint:
+    enable: bool = False
+    """Save checkpoints and resume from the newest complete one."""
+    folder: str = "checkpoint"
+    """Checkpoint folder, relative to job.dump_folder."""
+    interval: int = 500
+    """Save every this many steps (the final step is always saved)."""
+    keep_latest_k: int = 0
+    """Keep only the newest k checkpoints (0 keeps all)."""
+    load_step: int = -1
+    """Resume from this step (-1 = the newest complete checkpoint)."""
+
+
+@dataclass
+class Metrics:
+    log_freq: int = 1
+    """Print the console line every this many steps (metrics.jsonl gets every step)."""
+    enable_tensorboard: bool = True
+    """Write TensorBoard scalars to <dump_folder>/tb."""
+    peak_tflops: float = 0.0
+    """Peak TFLOP/s per rank for MFU (0 = a measured matmul peak of the compute dtype)."""
+
+
+@dataclass
+class Comm:
+    mode: str = "default"
+    """`default` (torchrun process group) or `fake` (one process simulates the world; a dry run)."""
+    init_timeout_seconds: int = 300
+    """Timeout of process-group creation and collectives."""
+
+
+@dataclass
+class Config:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    data: Data = field(default_factory=Data)
+    training: Training = field(default_factory=Training)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    metrics: Metrics = field(default_factory=Metrics)
+    comm: Comm = field(default_factory=Comm)
+
+
+# Fields whose value must be one of a fixed set.
+CHOICES: dict[str, tuple[str, ...]] = {
+    "model.name": ("llama", "dsv4"),
+    "model.attention_backend": ("native", "te"),
+    "model.indexer_loss_mode": ("dense", "sparse"),
+    "data.source": ("mock", "jsonl", "parquet", "packed"),
+    "data.format": ("auto", "messages", "sharegpt", "alpaca", "text"),
+    "data.overlong": ("truncate", "drop"),
+    "training.planner": ("balanced", "dp_balanced"),
+    "training.dtype": ("float32", "bfloat16"),
+    "optimizer.name": ("adamw", "muon"),
+    "lr_scheduler.decay": ("cosine", "linear", "none"),
+    "parallelism.context_parallel_mode": ("zigzag", "contiguous"),
+    "parallelism.pipeline_parallel_schedule": ("1F1B", "GPipe", "Interleaved1F1B"),
+    "comm.mode": ("default", "fake"),
+}
+
+
+# ============================================================================ introspection
+def _section_types() -> dict[str, type]:
+    return {f.name: f.default_factory().__class__ for f in fields(Config)}  # type: ignore[misc]
+
+
+def field_docs() -> dict[str, str]:
+    """{"section.field": docstring} read from the string literal that follows each field."""
+    tree = ast.parse(Path(__file__).read_text())
+    classes = {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}
+    docs: dict[str, str] = {}
+    for section, cls in _section_types().items():
+        body = classes[cls.__name__].body
+        for stmt, nxt in zip(body, body[1:] + [None]):
+            if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
+                doc = ""
+                if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+                    doc = " ".join(str(nxt.value.value).split())
+                docs[f"{section}.{stmt.target.id}"] = doc
+    return docs
+
+
+def _field_type(section_cls: type, name: str) -> Any:
+    return typing.get_type_hints(section_cls)[name]
+
+
+def _closest(name: str, options: list[str]) -> str:
+    match = difflib.get_close_matches(name, options, n=1, cutoff=0.5)
+    return f" Did you mean '{match[0]}'?" if match else ""
+
+
+# ============================================================================ coercion
+def _coerce(key: str, value: Any, typ: Any, from_cli: bool) -> Any:
+    """Convert `value` to `typ`; ValueError naming the key, the value and the expected type."""
+
+    def bad(expected: str) -> ValueError:
+        return ValueError(f"{key}: got {value!r}, expected {expected}")
+
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if from_cli and isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+        raise bad("true or false")
+    if typ is int:
+        if isinstance(value, bool):
+            raise bad("an integer")
+        if isinstance(value, int):
+            return value
+        if from_cli and isinstance(value, str):
+            try:
+                return int(value.replace("_", ""))
+            except ValueError:
+                pass
+        raise bad("an integer")
+    if typ is float:
+        if isinstance(value, bool):
+            raise bad("a number")
+        if isinstance(value, (int, float)):
+            return float(value)
+        if from_cli and isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise bad("a number")
+    if typ is str:
+        if isinstance(value, str):
+            return value
+        raise bad("a string")
+    if typ is dict or typing.get_origin(typ) is dict:
+        if isinstance(value, dict):
+            return value
+        if from_cli and isinstance(value, str):
+            try:
+                parsed = json.loads(value)
+            except json.JSONDecodeError:
+                try:
+                    parsed = tomllib.loads(f"v = {value}")["v"]
+                except tomllib.TOMLDecodeError:
+                    parsed = None
+            if isinstance(parsed, dict):
+                return parsed
+        raise bad('a table, e.g. {"mode": "file", "path": "lengths.csv"}')
+    raise AssertionError(f"unsupported config type {typ} for {key}")
+
+
+# ============================================================================ loading
+def _apply(cfg: Config, key: str, value: Any, from_cli: bool, origin: str) -> None:
+    sections = _section_types()
+    section, _, name = key.partition(".")
+    if section not in sections or not name:
+        raise ValueError(f"{origin}: unknown config section '{section}'.{_closest(section, list(sections))}")
+    cls = sections[section]
+    names = [f.name for f in fields(cls)]
+    if name not in names:
+        raise ValueError(
+            f"{origin}: unknown key '{key}'.{_closest(name, names)} Valid keys of [{section}]: {', '.join(names)}"
+        )
+    setattr(getattr(cfg, section), name, _coerce(key, value, _field_type(cls, name), from_cli))
+
+
+def _load_toml(cfg: Config, path: Path) -> None:
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"config file not found: {path}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"{path}: invalid TOML: {e}") from None
+    for section, table in data.items():
+        if not isinstance(table, dict):
+            raise ValueError(f"{path}: top-level key '{section}' must be a [section] table")
+        for name, value in table.items():
+            _apply(cfg, f"{section}.{name}", value, from_cli=False, origin=str(path))
+
+
+def _parse_cli(argv: list[str]) -> list[tuple[str, str]]:
+    pairs: list[tuple[str, str]] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--"):
+            raise ValueError(f"command line: expected --section.field, got {arg!r}")
+        key = arg[2:]
+        if "=" in key:
+            key, value = key.split("=", 1)
+            i += 1
+        else:
+            if i + 1 >= len(argv):
+                raise ValueError(f"command line: {arg} needs a value")
+            # The next token is always the value, so negative numbers (-1) work as values.
+            value = argv[i + 1]
+            i += 2
+        pairs.append((key, value))
+    return pairs
+
+
+def load_config(argv: list[str] | None = None) -> Config:
+    """Defaults, then the TOML file (--job.config_file), then command-line overrides; validated."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    pairs = _parse_cli(argv)
+    cfg = Config()
+    for key, value in pairs:
+        if key == "job.config_file":
+            cfg.job.config_file = value
+    if cfg.job.config_file:
+        _load_toml(cfg, Path(cfg.job.config_file))
+    for key, value in pairs:
+        _apply(cfg, key, value, from_cli=True, origin="command line")
+    validate(cfg)
+    return cfg
+
+
+# ============================================================================ validation
+def validate(cfg: Config) -> None:
+    """Value checks that need no process group. Raises ValueError naming the field and value."""
+    for key, allowed in CHOICES.items():
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value not in allowed:
+            raise ValueError(f"{key}: got {value!r}, expected one of {', '.join(allowed)}")
+
+    def positive(key: str, value: float, allow_zero: bool = False) -> None:
+        if value < 0 or (value == 0 and not allow_zero):
+            raise ValueError(f"{key}: got {value}, expected a {'non-negative' if allow_zero else 'positive'} value")
+
+    t, p = cfg.training, cfg.parallelism
+    positive("training.steps", t.steps)
+    positive("training.global_batch_size", t.global_batch_size)
+    positive("training.tokens_per_microbatch", t.tokens_per_microbatch)
+    positive("training.max_norm", t.max_norm, allow_zero=True)
+    positive("training.planner_cost_attention", t.planner_cost_attention, allow_zero=True)
+    positive("optimizer.lr", cfg.optimizer.lr)
+    positive("optimizer.weight_decay", cfg.optimizer.weight_decay, allow_zero=True)
+    positive("lr_scheduler.warmup_steps", cfg.lr_scheduler.warmup_steps, allow_zero=True)
+    positive("lr_scheduler.total_steps", cfg.lr_scheduler.total_steps, allow_zero=True)
+    positive("data.pad_to_multiple", cfg.data.pad_to_multiple)
+    positive("data.num_workers", cfg.data.num_workers, allow_zero=True)
+    positive("data.num_samples", cfg.data.num_samples, allow_zero=True)
+    positive("checkpoint.interval", cfg.checkpoint.interval)
+    positive("checkpoint.keep_latest_k", cfg.checkpoint.keep_latest_k, allow_zero=True)
+    positive("metrics.log_freq", cfg.metrics.log_freq)
+    positive("metrics.peak_tflops", cfg.metrics.peak_tflops, allow_zero=True)
+    if not 0.0 <= cfg.lr_scheduler.min_lr_factor <= 1.0:
+        raise ValueError(f"lr_scheduler.min_lr_factor: got {cfg.lr_scheduler.min_lr_factor}, expected 0..1")
+    if cfg.checkpoint.keep_latest_k == 1:
+        raise ValueError("checkpoint.keep_latest_k: got 1, expected 0 (keep all) or >= 2")
+    for key in ("context_parallel_degree", "tensor_parallel_degree", "pipeline_parallel_degree"):
+        positive(f"parallelism.{key}", getattr(p, key))
+    if p.data_parallel_shard_degree == 0 or p.data_parallel_shard_degree < -1:
+        raise ValueError(
+            f"parallelism.data_parallel_shard_degree: got {p.data_parallel_shard_degree}, expected -1 or >= 1"
+        )
+    if t.tokens_per_microbatch % cfg.data.pad_to_multiple:
+        raise ValueError(
+            f"training.tokens_per_microbatch = {t.tokens_per_microbatch} is not a multiple of "
+            f"data.pad_to_multiple = {cfg.data.pad_to_multiple}"
+        )
+    cp = p.context_parallel_degree
+    if cp > 1:
+        need = 2 * cp if p.context_parallel_mode == "zigzag" else cp
+        if t.tokens_per_microbatch % need:
+            smallest = ((t.tokens_per_microbatch + need - 1) // need) * need
+            raise ValueError(
+                f"training.tokens_per_microbatch = {t.tokens_per_microbatch} is not divisible by {need} "
+                f"({p.context_parallel_mode} CP with degree {cp}); the smallest valid value above it is {smallest}"
+            )
+        if p.context_parallel_mode == "zigzag" and cfg.data.pad_to_multiple % (2 * cp):
+            raise ValueError(
+                f"zigzag CP with degree {cp} cuts every document into {2 * cp} chunks: "
+                f"data.pad_to_multiple = {cfg.data.pad_to_multiple} must be a multiple of {2 * cp}"
+            )
+    if cfg.model.name == "dsv4" and cp > 1 and p.context_parallel_mode != "contiguous":
+        raise ValueError(
+            "model.name = dsv4 needs parallelism.context_parallel_mode = contiguous: its sliding window and "
+            "compressors need a contiguous left context from one neighbour (zigzag would silently be wrong)"
+        )
+    if cfg.data.source in ("jsonl", "parquet", "packed") and not cfg.data.path:
+        raise ValueError(f"data.source = {cfg.data.source} needs data.path")
+
+
+# ============================================================================ output
+def to_toml(cfg: Config) -> str:
+    """The merged configuration as TOML (what --job.print_config prints)."""
+
+    def fmt(v: Any) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, str):
+            return json.dumps(v)
+        if isinstance(v, dict):
+            return "{ " + ", ".join(f"{k} = {fmt(x)}" for k, x in v.items()) + " }"
+        return repr(v)
+
+    out = []
+    for f in fields(Config):
+        out.append(f"[{f.name}]")
+        section = getattr(cfg, f.name)
+        out += [f"{g.name} = {fmt(getattr(section, g.name))}" for g in fields(section)]
+        out.append("")
+    return "\n".join(out)
+
+
+def help_text() -> str:
+    docs = field_docs()
+    lines = ["titan_thd training options (--section.field value; TOML [section] field = value):", ""]
+    defaults = Config()
+    for f in fields(Config):
+        lines.append(f"[{f.name}]")
+        for g in fields(getattr(defaults, f.name)):
+            key = f"{f.name}.{g.name}"
+            default = getattr(getattr(defaults, f.name), g.name)
+            choices = f" {{{'|'.join(CHOICES[key])}}}" if key in CHOICES else ""
+            lines.append(f"  --{key}{choices} (default: {default!r})")
+            lines.append(f"      {docs.get(key, '')}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def as_dict(cfg: Config) -> dict[str, dict[str, Any]]:
+    return dataclasses.asdict(cfg)
+
+
