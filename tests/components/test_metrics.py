@@ -1,0 +1,73 @@
+import json
+
+import pytest
+import torch
+
+from titan_thd.components import metrics as M
+from titan_thd.config import Metrics
+
+
+def _record(step=3, **kw):
+    args = dict(
+        step=step, loss=2.5, grad_norm=0.75, lr=1e-3, step_time=2.0, wall_time=10.0,
+        tokens_real=3000, tokens_trained=1200, tokens_slots=4096, flops=8e12,
+        num_microbatches=2, imbalance=1.05, world_size=2, peak_tflops=4.0, aux_losses={"mtp": 0.25},
+    )
+    args.update(kw)
+    return M.step_metrics(**args)
+
+
+def test_step_metrics_worked_values():
+    r = _record()
+    assert r["tps"] == 1500.0 and r["tps_per_rank"] == 750.0
+    assert r["padding_frac"] == pytest.approx(1 - 3000 / 4096)
+    assert r["tflops"] == pytest.approx(8e12 / 2.0 / 2 / 1e12)  # per rank: 2 TFLOP/s
+    assert r["mfu"] == pytest.approx(50.0)  # percent of 4 TFLOP/s
+    assert r["aux/mtp"] == 0.25
+    required = {"step", "loss", "grad_norm", "lr", "tps", "tokens_real", "tokens_slots", "padding_frac",
+                "tflops", "mfu", "num_microbatches", "imbalance", "wall_time"}
+    assert required <= set(r)
+    assert _record(peak_tflops=0.0)["mfu"] == 0.0
+    line = M.console_line(r)
+    for piece in ("step     3", "loss 2.5000", "aux/mtp 0.2500", "tps 1,500", "pad 26.8%", "mfu 50.0%", "mb 2"):
+        assert piece in line
+
+
+def test_logger_writes_jsonl_and_tensorboard(tmp_path, caplog):
+    cfg = Metrics(log_freq=2, enable_tensorboard=True)
+    log = M.MetricsLogger(cfg, str(tmp_path), enabled=True)
+    with caplog.at_level("INFO", logger="titan_thd"):
+        for step in (1, 2, 3, 4, 5):
+            log.log(_record(step=step), last_step=5)
+    log.close()
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [1, 2, 3, 4, 5]
+    printed = [r.message.split()[1] for r in caplog.records]
+    assert printed == ["1", "2", "4", "5"]  # first, every log_freq, last
+    assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
+    # A fresh run truncates, a resumed run appends.
+    M.MetricsLogger(cfg, str(tmp_path), enabled=True).close()
+    assert (tmp_path / "metrics.jsonl").read_text() == ""
+    log = M.MetricsLogger(Metrics(enable_tensorboard=False), str(tmp_path), enabled=True, resume=True)
+    log.log(_record(step=6), last_step=6)
+    log.log(_record(step=7), last_step=7)
+    log.close()
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+def test_disabled_logger_writes_nothing(tmp_path):
+    log = M.MetricsLogger(Metrics(), str(tmp_path / "x"), enabled=False)
+    log.log(_record(), last_step=3)
+    log.close()
+    assert not (tmp_path / "x").exists()
+
+
+def test_peak_measured_once_and_shared_on_cpu(monkeypatch):
+    M._PEAK_CACHE.clear()
+    peak = M.measure_matmul_tflops(torch.float32, torch.device("cpu"), seconds=0.05)
+    assert 1e-3 < peak < 1e3
+    monkeypatch.setattr(M.torch, "matmul", None)  # a second measurement would crash
+    assert M.measure_matmul_tflops(torch.float32, torch.device("cpu")) == peak
+    cpu = torch.device("cpu")
+    assert M.peak_tflops_per_rank(Metrics(), torch.float32, cpu, local_world_size=4) == pytest.approx(peak / 4)
+    assert M.peak_tflops_per_rank(Metrics(peak_tflops=7.0), torch.float32, cpu, local_world_size=4) == 7.0

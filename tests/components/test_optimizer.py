@@ -1,0 +1,144 @@
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from tests._dist import spawn
+from titan_thd.components.optimizer import build_optimizers, clip_grad_norm_, default_matrix_params
+from titan_thd.config import Optimizer
+from titan_thd.models.spec import ModelSpec
+
+SPEC = ModelSpec(name="toy", flavors={}, build=None, flops_per_step=None)
+
+
+class TinyLM(nn.Module):
+    def __init__(self, vocab=11, dim=8):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.proj = nn.Linear(dim, dim)  # weight [D, D] is a matrix, bias a vector
+        self.norm = nn.LayerNorm(dim)
+        self.out = nn.Linear(dim, vocab, bias=False)  # LM head [V, D]
+
+    def forward(self, x):
+        return self.out(self.norm(torch.relu(self.proj(self.embed(x)))))
+
+
+def _loss(model, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, 11, (16,), generator=g)
+    return nn.functional.cross_entropy(model(x), torch.roll(x, 1))
+
+
+def test_default_matrix_params_skip_embedding_and_head():
+    assert default_matrix_params(TinyLM()) == ["proj.weight"]
+
+
+def test_adamw_first_step_and_decay_groups():
+    torch.manual_seed(0)
+    model = TinyLM()
+    before = {n: p.detach().clone().double() for n, p in model.named_parameters()}
+    cfg = Optimizer(lr=0.01, weight_decay=0.5, beta1=0.9, beta2=0.95, eps=1e-8)
+    opts = build_optimizers([model], cfg, SPEC)
+    _loss(model).backward()
+    grads = {n: p.grad.detach().clone().double() for n, p in model.named_parameters()}
+    opts.step()
+    for n, p in model.named_parameters():
+        # First bias-corrected Adam step: m_hat = g, v_hat = g^2 -> g / (|g| + eps).
+        decay = cfg.weight_decay if p.ndim >= 2 else 0.0
+        expect = before[n] * (1 - cfg.lr * decay) - cfg.lr * grads[n] / (grads[n].abs() + cfg.eps)
+        torch.testing.assert_close(p.detach().double(), expect, rtol=0, atol=1e-6, msg=n)
+    opts.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_muon_gets_matrices_adamw_the_rest():
+    model = TinyLM()
+    opts = build_optimizers([model], Optimizer(name="muon", lr=0.02), SPEC)
+    muon, adamw = opts.optimizers
+    assert isinstance(muon, torch.optim.Muon) and isinstance(adamw, torch.optim.AdamW)
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert [names[id(p)] for g in muon.param_groups for p in g["params"]] == ["proj.weight"]
+    rest = sorted(names[id(p)] for g in adamw.param_groups for p in g["params"])
+    assert rest == ["embed.weight", "norm.bias", "norm.weight", "out.weight", "proj.bias"]
+    _loss(model).backward()
+    opts.step()
+    assert set(muon.state[model.proj.weight]) == {"momentum_buffer"}
+    assert "exp_avg" in adamw.state[model.out.weight]
+
+
+def test_matrix_params_must_be_2d():
+    spec = ModelSpec(name="toy", flavors={}, build=None, flops_per_step=None, matrix_params=lambda m: ["proj.bias"])
+    with pytest.raises(ValueError, match=r"Muon needs 2-D parameters.*proj\.bias"):
+        build_optimizers([TinyLM()], Optimizer(name="muon"), spec)
+
+
+@pytest.mark.parametrize("name", ["adamw", "muon"])
+def test_state_dict_round_trip_continues_identically(name):
+    torch.manual_seed(0)
+    model = TinyLM()
+    cfg = Optimizer(name=name, lr=0.01)
+    opts = build_optimizers([model], cfg, SPEC)
+    for s in range(2):
+        _loss(model, s).backward()
+        opts.step()
+        opts.zero_grad()
+    state = opts.state_dict()
+    assert any(k.startswith("state.proj.weight.") for k in state)  # flattened by parameter name
+    twin = copy.deepcopy(model)
+    twin_opts = build_optimizers([twin], cfg, SPEC)
+    twin_opts.load_state_dict(copy.deepcopy(state))
+    for m, o in ((model, opts), (twin, twin_opts)):
+        _loss(m, 5).backward()
+        o.step()
+    for (n, a), b in zip(model.named_parameters(), twin.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=n)
+
+
+def _params_with_grads(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    params = [nn.Parameter(torch.zeros(s)) for s in ((4, 3), (5,), (2, 2, 2))]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g)
+    return params
+
+
+def test_clip_grad_norm_matches_float64_and_clips():
+    params = _params_with_grads()
+    ref = torch.cat([p.grad.double().flatten() for p in params]).norm()
+    total = clip_grad_norm_(params, max_norm=0.5)
+    assert float(total) == pytest.approx(float(ref), rel=1e-6)
+    clipped = torch.cat([p.grad.double().flatten() for p in params]).norm()
+    assert float(clipped) == pytest.approx(0.5, rel=1e-5)
+    params = _params_with_grads()
+    grads = [p.grad.clone() for p in params]
+    assert float(clip_grad_norm_(params, max_norm=0.0)) == pytest.approx(float(ref), rel=1e-6)
+    assert all(torch.equal(p.grad, g) for p, g in zip(params, grads))  # 0 = report only
+
+
+def _dtensor_clip(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh_a = init_device_mesh("cpu", (world_size,), mesh_dim_names=("fsdp",))
+    mesh_b = init_device_mesh("cpu", (world_size,), mesh_dim_names=("ep",))
+    full = _params_with_grads()
+    placements = [(mesh_a, Shard(0)), (mesh_a, Replicate()), (mesh_b, Shard(0))]
+    params = []
+    for p, (mesh, pl) in zip(full, placements):
+        d = nn.Parameter(distribute_tensor(p.detach(), mesh, [pl]))
+        d.grad = distribute_tensor(p.grad, mesh, [pl])
+        params.append(d)
+    total = clip_grad_norm_(params, max_norm=0.5)
+    clipped = [p.grad.full_tensor() for p in params]
+    return float(total), clipped
+
+
+@pytest.mark.slow
+def test_clip_grad_norm_dtensor_two_ranks():
+    ref_params = _params_with_grads()
+    ref_total = clip_grad_norm_(ref_params, max_norm=0.5)
+    for total, clipped in spawn(_dtensor_clip, 2):
+        assert total == pytest.approx(float(ref_total), rel=1e-6)
+        for got, p in zip(clipped, ref_params):
+            torch.testing.assert_close(got, p.grad, rtol=1e-6, atol=1e-7)

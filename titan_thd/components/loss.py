@@ -1,0 +1,43 @@
+"""Token cross-entropy as a SUM over trained tokens (DESIGN.md section 3.5).
+
+The trainer divides the sum once by the global number of trained tokens of the optimizer step
+(all microbatches, all data- and context-parallel ranks). Returning a sum rather than a mean keeps
+that division in one place, so the loss and its gradients do not depend on how the step's tokens
+are split into microbatches or ranks.
+
+Legend:
+    T  rows of this rank's microbatch
+    V  vocabulary size
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from titan_thd.data.packed_batch import IGNORE_INDEX
+
+
+def trained_labels(labels_T: torch.Tensor, loss_mask_T: torch.Tensor | None) -> torch.Tensor:
+    """Labels with every untrained row (loss_mask False) set to IGNORE_INDEX."""
+    if loss_mask_T is None:
+        return labels_T
+    return labels_T.masked_fill(~loss_mask_T.bool(), IGNORE_INDEX)
+
+
+def cross_entropy_sum(
+    logits_TV: torch.Tensor, labels_T: torch.Tensor, loss_mask_T: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Sum of per-token cross-entropy over rows whose label is trained (a scalar).
+
+    Logits below float32 (bf16) are upcast inside the loss so the softmax runs in fp32; float64
+    logits stay float64 (reference computations in tests).
+    """
+    labels_T = trained_labels(labels_T, loss_mask_T)
+    logits_TV = logits_TV.to(torch.promote_types(logits_TV.dtype, torch.float32))
+    return F.cross_entropy(logits_TV, labels_T, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def num_trained_tokens(labels_T: torch.Tensor, loss_mask_T: torch.Tensor | None = None) -> int:
+    """Rows that contribute to `cross_entropy_sum`."""
+    return int((trained_labels(labels_T, loss_mask_T) != IGNORE_INDEX).sum())

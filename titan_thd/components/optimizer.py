@@ -1,0 +1,138 @@
+"""Optimizers (AdamW, or Muon for matrices + AdamW for the rest) and gradient-norm clipping.
+
+`build_optimizers` returns one container that the trainer and the checkpoint treat as a single
+optimizer: `step`, `zero_grad`, `state_dict`, `load_state_dict`. Its state dict is flattened by
+parameter name (`torch.distributed.checkpoint.state_dict`), so it reshards across layouts and the
+Muon and AdamW halves never collide.
+
+Weight decay follows nanoGPT: matrices (ndim >= 2) decay, vectors (norm gains, biases) do not.
+Muon uses `adjust_lr_fn="match_rms_adamw"`, so one `optimizer.lr` suits both halves.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor
+
+from titan_thd.config import Optimizer as OptimizerConfig
+from titan_thd.models.spec import ModelSpec
+
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def default_matrix_params(model: nn.Module) -> list[str]:
+    """Every 2-D weight except embeddings and the LM head (a matrix with vocabulary-many rows)."""
+    embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+    skip = {id(p) for m in embeddings for p in m.parameters()}
+    vocab_rows = {m.num_embeddings for m in embeddings}
+    return [
+        name
+        for name, p in model.named_parameters()
+        if p.ndim == 2 and id(p) not in skip and p.shape[0] not in vocab_rows
+    ]
+
+
+def _adamw(params: list[nn.Parameter], cfg: OptimizerConfig) -> torch.optim.AdamW:
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(
+        [g for g in groups if g["params"]], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps
+    )
+
+
+class OptimizersContainer:
+    """The optimizers of every model part (pipeline stages hold several parts) behind one API."""
+
+    def __init__(self, model_parts: list[nn.Module], optimizers: list[list[torch.optim.Optimizer]]):
+        assert len(model_parts) == len(optimizers)
+        self.model_parts = model_parts
+        self.per_part = optimizers
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return [opt for opts in self.per_part for opt in opts]
+
+    def step(self) -> None:
+        for opt in self.optimizers:
+            opt.step()
+
+    def zero_grad(self) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {}
+        for part, opts in zip(self.model_parts, self.per_part):
+            state.update(get_optimizer_state_dict(part, opts, options=_FLAT))
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for part, opts in zip(self.model_parts, self.per_part):
+            set_optimizer_state_dict(part, opts, state, options=_FLAT)
+
+
+def build_optimizers(model_parts: list[nn.Module], cfg: OptimizerConfig, spec: ModelSpec) -> OptimizersContainer:
+    """AdamW over every parameter, or (`optimizer.name = muon`) Muon over the model's matrices."""
+    per_part: list[list[torch.optim.Optimizer]] = []
+    for part in model_parts:
+        params = dict(part.named_parameters())
+        if cfg.name == "adamw":
+            per_part.append([_adamw(list(params.values()), cfg)])
+            continue
+        assert cfg.name == "muon", cfg.name
+        matrix_names = set((spec.matrix_params or default_matrix_params)(part))
+        wrong = sorted(n for n in matrix_names if n not in params or params[n].ndim != 2)
+        if wrong:
+            raise ValueError(f"model {spec.name}: Muon needs 2-D parameters, but matrix_params names {wrong}")
+        muon = torch.optim.Muon(
+            [params[n] for n in params if n in matrix_names],
+            lr=cfg.lr,
+            weight_decay=cfg.weight_decay,
+            momentum=cfg.muon_momentum,
+            ns_steps=cfg.muon_ns_steps,
+            adjust_lr_fn="match_rms_adamw",
+        )
+        rest = [p for n, p in params.items() if n not in matrix_names]
+        per_part.append([muon, _adamw(rest, cfg)] if rest else [muon])
+    return OptimizersContainer(model_parts, per_part)
+
+
+@torch.no_grad()
+def clip_grad_norm_(
+    parameters: Iterable[torch.Tensor], max_norm: float, pp_group: torch.distributed.ProcessGroup | None = None
+) -> torch.Tensor:
+    """Global L2 norm of all gradients (DTensor-aware); scale them to `max_norm` if it is > 0.
+
+    Gradients on different device meshes (e.g. dense and expert weights) are reduced mesh by mesh
+    and then combined; `pp_group` adds the other pipeline stages' gradients to the norm.
+    """
+    by_mesh: dict[Any, list[torch.Tensor]] = defaultdict(list)
+    for p in parameters:
+        if p.grad is not None:
+            by_mesh[p.grad.device_mesh if isinstance(p.grad, DTensor) else None].append(p)
+    norms = []
+    for params in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    if not norms:
+        return torch.zeros(())
+    total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))
+    if pp_group is not None:
+        total = total**2
+        torch.distributed.all_reduce(total, group=pp_group)
+        total = total.sqrt()
+    if max_norm > 0:
+        for params in by_mesh.values():  # one foreach multiply per mesh: DTensor ops cannot mix meshes
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
