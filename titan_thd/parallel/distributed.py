@@ -1,0 +1,162 @@
+"""Process-group start-up, device choice and the few collectives every part needs.
+
+- `init_distributed(comm)` reads the torchrun environment (WORLD_SIZE, RANK, LOCAL_RANK). A world
+  of one process creates no process group at all (instant start-up; every helper below then
+  degrades to a local no-op). Otherwise: gloo on CPU, NCCL on CUDA, timeout from
+  `comm.init_timeout_seconds` so a failing rank cannot hang its peers for the default 30 min.
+- `comm.mode = "fake"` (or `init_fake(world_size)`): one process plays rank 0 of a simulated
+  world on torch's fake backend. Meshes and sharding plans are real; collectives return
+  shape-correct garbage (all_reduce leaves the input unchanged, all_gather repeats the local
+  input), and DCP cannot save. A construction dry run, never a numerical one.
+- `dist_sum` / `dist_max` reduce over a named mesh, or return the input when the mesh is None.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from titan_thd.config import Comm
+
+Number = TypeVar("Number", torch.Tensor, float, int)
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    world_size: int
+    rank: int
+    local_rank: int
+    device: torch.device
+    fake: bool = False
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name, str(default))
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name} = {value!r}: expected an integer") from None
+
+
+def select_device(local_rank: int) -> torch.device:
+    """cuda:<local_rank> when CUDA is present (and made current), else the CPU."""
+    if torch.cuda.is_available():
+        if local_rank >= torch.cuda.device_count():
+            raise ValueError(f"LOCAL_RANK = {local_rank} but only {torch.cuda.device_count()} CUDA devices are visible")
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def init_distributed(comm: Comm) -> DistInfo:
+    """Start the process group described by `comm` and the torchrun environment."""
+    if comm.mode == "fake":
+        if "NGPU" not in os.environ:
+            raise ValueError("comm.mode = fake needs the simulated world size in the NGPU environment variable (e.g. NGPU=64)")
+        return init_fake(_env_int("NGPU", 1), rank=_env_int("RANK", 0))
+    world_size, rank = _env_int("WORLD_SIZE", 1), _env_int("RANK", 0)
+    local_rank = _env_int("LOCAL_RANK", 0)
+    device = select_device(local_rank)
+    if world_size > 1 and not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(
+            backend,
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=comm.init_timeout_seconds),
+            device_id=device if device.type == "cuda" else None,
+        )
+    return DistInfo(world_size, rank, local_rank, device)
+
+
+def init_fake(world_size: int, rank: int = 0) -> DistInfo:
+    """One process simulates `rank` of a `world_size` world on the fake backend (CPU tensors).
+
+    torch >= 2.13 creates the FakeStore itself when no store is given.
+    """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"fake process group: rank {rank} is outside a world of {world_size}")
+    dist.init_process_group("fake", rank=rank, world_size=world_size)
+    return DistInfo(world_size, rank, 0, torch.device("cpu"), fake=True)
+
+
+def is_fake() -> bool:
+    return dist.is_initialized() and dist.get_backend() == "fake"
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def collective_device() -> torch.device:
+    """Where small tensors must live for a collective on the default group (NCCL needs CUDA)."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def barrier() -> None:
+    if world_size() > 1:
+        dist.barrier()
+
+
+def broadcast_object(obj: Any) -> Any:
+    """Rank 0's `obj` on every rank of the default group (the object itself when alone)."""
+    if world_size() == 1:
+        return obj
+    holder = [obj]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]
+
+
+def _reduce(x: Number, mesh: DeviceMesh | None, op: dist.ReduceOp) -> Number:
+    if mesh is None or mesh.size() == 1:
+        return x
+    if isinstance(x, torch.Tensor):
+        t = x.detach().clone()
+    else:
+        t = torch.tensor(x, dtype=torch.int64 if isinstance(x, int) else torch.float64)
+    if mesh.device_type == "cuda":
+        t = t.to(collective_device())
+    dist.all_reduce(t, op=op, group=mesh.get_group())
+    if isinstance(x, torch.Tensor):
+        return t.to(x.device)
+    return type(x)(t.item())
+
+
+def dist_sum(x: Number, mesh: DeviceMesh | None) -> Number:
+    """Sum of `x` over the ranks of `mesh` (a 1-D mesh or None); tensors and Python numbers."""
+    return _reduce(x, mesh, dist.ReduceOp.SUM)
+
+
+def dist_max(x: Number, mesh: DeviceMesh | None) -> Number:
+    """Maximum of `x` over the ranks of `mesh` (a 1-D mesh or None)."""
+    return _reduce(x, mesh, dist.ReduceOp.MAX)
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank when `flag` is True on at least one rank of the world."""
+    if world_size() == 1:
+        return flag
+    t = torch.tensor([int(flag)], device=collective_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def destroy() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

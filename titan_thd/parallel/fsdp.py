@@ -1,0 +1,137 @@
+"""FSDP2 over the `fsdp` mesh (dp × cp), layout-independent weights, and a memory estimate.
+
+- `apply_fsdp` shards each block, then the root. Gradients are *summed* over the fsdp ranks, not
+  averaged: the trainer divides the loss once by the global trained-token count, so a further
+  division by the number of ranks would be wrong. `set_gradient_divide_factor(1.0)` alone makes
+  FSDP2 reduce-scatter with PREMUL_SUM, which gloo rejects; `set_force_sum_reduction_for_comms`
+  switches to SUM (then a division by 1.0), the same math on every backend.
+- Sharding keeps the values the model already holds: the trainer builds the full model on CPU
+  under `torch.manual_seed(seed)` and then shards it, so a seed gives the same weights on every
+  parallel layout.
+- Models too large to materialise (the dsv4 `flash` preset in a fake-PG dry run) are built on
+  the meta device, sharded, then `materialize_sharded` allocates only the local shards.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Collection, Iterable
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from titan_thd.parallel.parallel_dims import ParallelDims
+
+
+def apply_fsdp(
+    model: nn.Module,
+    fsdp_mesh: DeviceMesh,
+    blocks: Iterable[nn.Module],
+    mp_param_dtype: torch.dtype | None = None,
+    reshard_after_forward: bool = True,
+) -> nn.Module:
+    """Shard `blocks` (each its own all-gather unit) and then the root over `fsdp_mesh`.
+
+    `mp_param_dtype` (e.g. bfloat16) is the dtype parameters are gathered in for compute; the
+    sharded master weights and the gradient reduction stay in float32.
+    """
+    assert fsdp_mesh is not None and fsdp_mesh.ndim == 1, fsdp_mesh
+    if mp_param_dtype is None:
+        mp_policy = MixedPrecisionPolicy()
+    else:
+        mp_policy = MixedPrecisionPolicy(param_dtype=mp_param_dtype, reduce_dtype=torch.float32)
+    for block in blocks:
+        fully_shard(block, mesh=fsdp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=fsdp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def build_on_meta(build: Callable[[], nn.Module]) -> nn.Module:
+    """`build()` on the meta device: shapes only, no memory, no initialisation cost."""
+    with torch.device("meta"):
+        return build()
+
+
+@torch.no_grad()
+def materialize_sharded(model: nn.Module, device: str | torch.device = "cpu", std: float = 0.02) -> None:
+    """Allocate the local shards of a meta-built (and sharded) model and fill them.
+
+    Values are for dry runs only: the model's own `init_weights()` when it defines one (it must
+    work on sharded parameters), else N(0, std) for parameters and zeros for buffers, drawn
+    locally per shard so that no collective (and no DTensor RNG) is involved.
+    """
+    model.to_empty(device=device)
+    init_weights = getattr(model, "init_weights", None)
+    if callable(init_weights):
+        init_weights()
+        return
+    for p in model.parameters():
+        local = p.to_local() if isinstance(p, DTensor) else p
+        local.normal_(0.0, std)
+    for b in model.buffers():
+        (b.to_local() if isinstance(b, DTensor) else b).zero_()
+
+
+# ============================================================================ memory estimate
+@dataclass(frozen=True)
+class MemoryEstimate:
+    params: int
+    """Parameters held by this rank (its FSDP shards)."""
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
+
+    def __str__(self) -> str:
+        gib = 1024**3
+        return (
+            f"{self.params:,} parameters per rank; estimated memory per rank: "
+            f"params {self.param_bytes / gib:.2f} GiB + grads {self.grad_bytes / gib:.2f} GiB + "
+            f"optimizer {self.optimizer_bytes / gib:.2f} GiB = {self.total_bytes / gib:.2f} GiB (activations excluded)"
+        )
+
+
+def local_numel(shape: torch.Size | tuple[int, ...], shards: int, shard_rank: int = 0) -> int:
+    """Elements of `shard_rank`'s FSDP shard: dim 0 is cut into ceil(d0 / shards) rows per rank."""
+    if len(shape) == 0:
+        return 1
+    rows = math.ceil(shape[0] / shards)
+    local_rows = max(0, min(rows, shape[0] - shard_rank * rows))
+    return local_rows * math.prod(shape[1:])
+
+
+def estimate_memory_per_rank(
+    model: nn.Module,
+    parallel_dims: ParallelDims,
+    optimizer: str = "adamw",
+    dtype: torch.dtype = torch.float32,
+    muon_params: Collection[str] = (),
+) -> MemoryEstimate:
+    """Parameter, gradient and optimizer-state bytes on the most loaded rank (fsdp rank 0).
+
+    Works on a full, a sharded (DTensor shapes are global) or a meta model. Parameters and
+    gradients are stored in `dtype`; AdamW keeps two states per parameter, Muon one for the
+    parameters named in `muon_params` (AdamW for the rest). Tensor and pipeline parallelism are
+    not modelled (they are not implemented yet); activations are excluded.
+    """
+    if optimizer not in ("adamw", "muon"):
+        raise ValueError(f"estimate_memory_per_rank: optimizer {optimizer!r}, expected adamw or muon")
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    shards = parallel_dims.fsdp_degree if parallel_dims.fsdp_enabled else 1
+    params = states = 0
+    for name, p in model.named_parameters():
+        n = local_numel(p.shape, shards)
+        params += n
+        states += n * (1 if optimizer == "muon" and name in muon_params else 2)
+    return MemoryEstimate(params, params * itemsize, params * itemsize, states * itemsize)
