@@ -142,7 +142,7 @@ class Optimizer:
 @dataclass
 class LRScheduler:
     warmup_steps: int = 2
-    """Linear warmup steps from 0 to optimizer.lr."""
+    """Linear warmup steps: step i (from 0) uses optimizer.lr * (i + 1) / (warmup_steps + 1)."""
     decay: str = "cosine"
     """Decay after warmup: `cosine`, `linear` or `none`."""
     min_lr_factor: float = 0.1
@@ -329,7 +329,11 @@ def _apply(cfg: Config, key: str, value: Any, from_cli: bool, origin: str) -> No
         raise ValueError(
             f"{origin}: unknown key '{key}'.{_closest(name, names)} Valid keys of [{section}]: {', '.join(names)}"
         )
-    setattr(getattr(cfg, section), name, _coerce(key, value, _field_type(cls, name), from_cli))
+    try:
+        coerced = _coerce(key, value, _field_type(cls, name), from_cli)
+    except ValueError as e:
+        raise ValueError(f"{origin}: {e}") from None
+    setattr(getattr(cfg, section), name, coerced)
 
 
 def _load_toml(cfg: Config, path: Path) -> None:
@@ -358,8 +362,8 @@ def _parse_cli(argv: list[str]) -> list[tuple[str, str]]:
             key, value = key.split("=", 1)
             i += 1
         else:
-            if i + 1 >= len(argv):
-                raise ValueError(f"command line: {arg} needs a value")
+            if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
+                raise ValueError(f"command line: {arg} needs a value (booleans too: {arg} true)")
             # The next token is always the value, so negative numbers (-1) work as values.
             value = argv[i + 1]
             i += 2
@@ -413,6 +417,16 @@ def validate(cfg: Config) -> None:
     positive("checkpoint.keep_latest_k", cfg.checkpoint.keep_latest_k, allow_zero=True)
     positive("metrics.log_freq", cfg.metrics.log_freq)
     positive("metrics.peak_tflops", cfg.metrics.peak_tflops, allow_zero=True)
+    positive("optimizer.eps", cfg.optimizer.eps)
+    positive("comm.init_timeout_seconds", cfg.comm.init_timeout_seconds)
+    for key in ("beta1", "beta2", "muon_momentum"):
+        value = getattr(cfg.optimizer, key)
+        if not 0.0 <= value < 1.0:
+            raise ValueError(f"optimizer.{key}: got {value}, expected 0 <= value < 1")
+    if not 1 <= cfg.optimizer.muon_ns_steps < 100:
+        raise ValueError(f"optimizer.muon_ns_steps: got {cfg.optimizer.muon_ns_steps}, expected 1..99")
+    if cfg.checkpoint.load_step < -1:
+        raise ValueError(f"checkpoint.load_step: got {cfg.checkpoint.load_step}, expected -1 (newest) or a step >= 0")
     if not 0.0 <= cfg.lr_scheduler.min_lr_factor <= 1.0:
         raise ValueError(f"lr_scheduler.min_lr_factor: got {cfg.lr_scheduler.min_lr_factor}, expected 0..1")
     if cfg.checkpoint.keep_latest_k == 1:
