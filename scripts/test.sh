@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install titan_thd with the test extra (quick when already installed), then run the whole suite.
-# Extra arguments go to pytest, e.g. ./scripts/test.sh tests/components -x
+# Extra arguments go to pytest, e.g. ./scripts/test.sh -x -k loss
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
