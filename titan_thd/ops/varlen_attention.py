@@ -1,0 +1,119 @@
+"""Causal attention over a packed THD microbatch, in native PyTorch.
+
+Legend:
+    T  rows of the microbatch          H  query heads        K  key/value heads (K divides H)
+    D  head dim                        B  documents in one SDPA call
+    L  real length of a document       P  physical (padded) length of a document
+
+Each document attends causally to itself only. On CPU the fastest exact way is a Python loop of
+`scaled_dot_product_attention(is_causal=True)` over the documents (research/cpu_feasibility.md
+section 5: 5x faster than a dense block-diagonal mask or padding); `varlen_attn` is CUDA-only and
+flex_attention has no CPU backward. Two details keep the loop cheap:
+- inputs are cut with one `split` (its backward is one `cat`), not one slice per document (each
+  slice's backward would allocate a full [T, H, D] gradient);
+- a run of adjacent documents with equal real and padded lengths is one batched SDPA call on a
+  free [B, P, H, D] view (many short documents of one length are common in synthetic and SFT data).
+Padding rows (per-document alignment and the tail padding document) produce zeros.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from titan_thd.models.batch_meta import BatchMeta
+
+
+class _Segment(NamedTuple):
+    """`count` adjacent documents, each with `real` real rows followed by `padded - real` pad rows."""
+
+    count: int
+    real: int
+    padded: int
+
+
+def _segments(meta: BatchMeta) -> list[_Segment]:
+    segments: list[_Segment] = []
+    for real, padded in zip(meta.seqlens, meta.seqlens_padded):
+        if segments and segments[-1].real == real and segments[-1].padded == padded:
+            segments[-1] = segments[-1]._replace(count=segments[-1].count + 1)
+        else:
+            segments.append(_Segment(1, real, padded))
+    return segments
+
+
+def varlen_attention(
+    q_THD: torch.Tensor,
+    k_TKD: torch.Tensor,
+    v_TKD: torch.Tensor,
+    meta: BatchMeta,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Block-diagonal causal attention of the documents in `meta`; returns out_THD (zeros on padding).
+
+    K < H is grouped-query attention: query head h reads key/value head h // (H // K).
+    """
+    if meta.cp.size > 1:
+        raise NotImplementedError(
+            f"varlen_attention: context parallel size {meta.cp.size} > 1 is not supported yet; "
+            "context parallel attention is added by the CP issue"
+        )
+    T, H, D = q_THD.shape
+    K = k_TKD.shape[1]
+    assert T == meta.total_tokens, (T, meta.total_tokens)
+    assert k_TKD.shape == v_TKD.shape == (T, K, D) and H % K == 0, (q_THD.shape, k_TKD.shape, v_TKD.shape)
+    segments = meta.cached("varlen_attention_segments", lambda: _segments(meta))
+    sizes = [s.count * s.padded for s in segments]
+    outs = []
+    for seg, q, k, v in zip(segments, q_THD.split(sizes), k_TKD.split(sizes), v_TKD.split(sizes)):
+        if seg.real == 0:
+            outs.append(q.new_zeros(q.shape))
+            continue
+        # [B*P, H, D] -> [B, H, L, D] as a strided view; SDPA takes strided inputs.
+        q_BHLD, k_BKLD, v_BKLD = (
+            x.unflatten(0, (seg.count, seg.padded))[:, : seg.real].transpose(1, 2) for x in (q, k, v)
+        )
+        o_BLHD = F.scaled_dot_product_attention(
+            q_BHLD, k_BKLD, v_BKLD, is_causal=True, scale=scale, enable_gqa=K != H
+        ).transpose(1, 2)
+        if seg.padded > seg.real:
+            pad = o_BLHD.new_zeros(seg.count, seg.padded - seg.real, H, D)
+            o_BLHD = torch.cat([o_BLHD, pad], dim=1)
+        outs.append(o_BLHD.reshape(seg.count * seg.padded, H, D))
+    return torch.cat(outs)
+
+
+class VarlenAttention(nn.Module):
+    """`varlen_attention` as a module: the `inner_attention` of a model, swappable per backend."""
+
+    def forward(self, q_THD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor, meta: BatchMeta) -> torch.Tensor:
+        return varlen_attention(q_THD, k_TKD, v_TKD, meta)
+
+
+def dense_reference_attention(
+    q_THD: torch.Tensor,
+    k_TKD: torch.Tensor,
+    v_TKD: torch.Tensor,
+    meta: BatchMeta,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Test oracle: explicit softmax under a dense [T, T] block-diagonal causal mask (O(T^2) memory)."""
+    T, H, D = q_THD.shape
+    K = k_TKD.shape[1]
+    lens = torch.tensor(meta.seqlens)
+    plens = torch.tensor(meta.seqlens_padded)
+    doc_T = torch.repeat_interleave(torch.arange(len(plens)), plens)
+    offset_T = torch.arange(T) - (torch.cumsum(plens, 0) - plens)[doc_T]
+    real_T = offset_T < lens[doc_T]
+    allowed_TT = (doc_T[:, None] == doc_T[None, :]) & (offset_T[:, None] >= offset_T[None, :])
+    allowed_TT &= real_T[:, None] & real_T[None, :]
+    k_THD = k_TKD.repeat_interleave(H // K, dim=1)
+    v_THD = v_TKD.repeat_interleave(H // K, dim=1)
+    scores_HTT = torch.einsum("qhd,khd->hqk", q_THD, k_THD) * (D**-0.5 if scale is None else scale)
+    scores_HTT = scores_HTT.masked_fill(~allowed_TT.to(q_THD.device), float("-inf"))
+    # Padding rows see no key at all (softmax of all -inf is NaN): their output is defined as zero.
+    probs_HTT = torch.where(real_T.to(q_THD.device)[:, None], torch.softmax(scores_HTT, dim=-1), 0.0)
+    return torch.einsum("hqk,khd->qhd", probs_HTT, v_THD)
