@@ -1,0 +1,197 @@
+"""Tokenizers: a built-in byte-level one (no download) and any Hugging Face `tokenizer.json`.
+
+Both expose the same small interface (`Tokenizer`): `encode` never adds special tokens (the chat
+template in `chat_template.py` places them), and `special_id(name)` gives the id of a named special
+token. The special tokens every tokenizer provides:
+
+    PAD, BOS, EOS                 padding, begin / end of a sample
+    ROLE_TOKENS[role]             one marker per chat role: system, user, assistant, tool
+    END_OF_TURN                   closes every chat turn
+
+Byte tokenizer layout: ids 0..255 are the UTF-8 bytes, then `<|pad|>` 256, `<|bos|>` 257,
+`<|eos|>` 258, `<|system|>` 259, `<|user|>` 260, `<|assistant|>` 261, `<|tool|>` 262, `<|end|>` 263;
+`vocab_size` = 264. Text that *spells* a special token (e.g. the string "<|user|>") encodes as
+plain bytes, so user data can never inject a role marker.
+
+Hugging Face tokenizers: bos / eos / pad are taken from a `tokenizer_config.json` next to the
+`tokenizer.json` when one is there, else from the first common name the vocabulary already holds
+(`BOS_NAMES`, `EOS_NAMES`, `PAD_NAMES`). Whatever is still missing -- bos `<|bos|>`, eos `<|eos|>`,
+pad `<|pad|>`, and the five chat markers `<|system|>`, `<|user|>`, `<|assistant|>`, `<|tool|>`,
+`<|end|>` unless the vocabulary has them -- is added as special tokens after the existing ids
+(`HFTokenizer.added_tokens` lists them). Note that `tokenizers` matches added special tokens
+inside text, so for HF tokenizers a literal "<|user|>" in the data becomes the marker.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable
+from pathlib import Path
+
+PAD, BOS, EOS = "<|pad|>", "<|bos|>", "<|eos|>"
+ROLE_TOKENS = {
+    "system": "<|system|>",
+    "user": "<|user|>",
+    "assistant": "<|assistant|>",
+    "tool": "<|tool|>",
+}
+END_OF_TURN = "<|end|>"
+SPECIAL_TOKENS = (PAD, BOS, EOS, *ROLE_TOKENS.values(), END_OF_TURN)
+
+# Names under which common tokenizers (Llama, Mistral, GPT-2, Qwen, DeepSeek, BERT) keep their
+# bos / eos / pad tokens; the first one present in the vocabulary is reused.
+BOS_NAMES = (BOS, "<s>", "<bos>", "<|begin_of_text|>", "<|startoftext|>", "<｜begin▁of▁sentence｜>", "[CLS]")
+EOS_NAMES = (EOS, "</s>", "<eos>", "<|end_of_text|>", "<|endoftext|>", "<｜end▁of▁sentence｜>", "[SEP]")
+PAD_NAMES = (PAD, "<pad>", "[PAD]", "<|finetune_right_pad_id|>", "<｜▁pad▁｜>")
+
+
+class Tokenizer:
+    """Interface shared by all tokenizers (ids are always < `vocab_size`)."""
+
+    vocab_size: int
+    """Number of ids the model must embed."""
+    bos_id: int
+    eos_id: int
+    pad_id: int
+    identity: str
+    """Stable string that changes whenever the id mapping changes (keys the token cache)."""
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`, no special tokens added."""
+        raise NotImplementedError
+
+    def decode(self, ids: Iterable[int]) -> str:
+        raise NotImplementedError
+
+    def special_id(self, name: str) -> int:
+        """Id of a special token by its text, e.g. "<|user|>", "<|end|>"."""
+        raise NotImplementedError
+
+    @property
+    def special_ids(self) -> list[int]:
+        """Sorted ids of every special token the chat template or the packer may emit."""
+        ids = {self.bos_id, self.eos_id, self.pad_id}
+        ids.update(self.special_id(t) for t in (*ROLE_TOKENS.values(), END_OF_TURN))
+        return sorted(ids)
+
+
+class ByteTokenizer(Tokenizer):
+    """UTF-8 bytes 0..255 followed by the special tokens (layout in the module docstring)."""
+
+    identity = "byte-v1"
+
+    def __init__(self) -> None:
+        self._special = {name: 256 + i for i, name in enumerate(SPECIAL_TOKENS)}
+        self._special_names = {i: name for name, i in self._special.items()}
+        self.vocab_size = 256 + len(SPECIAL_TOKENS)
+        self.pad_id, self.bos_id, self.eos_id = self._special[PAD], self._special[BOS], self._special[EOS]
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Iterable[int]) -> str:
+        # Bytes between special tokens are decoded as one run so multi-byte characters survive.
+        out: list[str] = []
+        run = bytearray()
+        for i in ids:
+            i = int(i)
+            if i < 256:
+                run.append(i)
+                continue
+            out.append(run.decode("utf-8", errors="replace"))
+            run.clear()
+            if i not in self._special_names:
+                raise ValueError(f"token id {i} is outside the byte tokenizer (vocab_size {self.vocab_size})")
+            out.append(self._special_names[i])
+        out.append(run.decode("utf-8", errors="replace"))
+        return "".join(out)
+
+    def special_id(self, name: str) -> int:
+        if name not in self._special:
+            raise ValueError(f"unknown special token {name!r}; the byte tokenizer has {list(self._special)}")
+        return self._special[name]
+
+
+class HFTokenizer(Tokenizer):
+    """A Hugging Face `tokenizer.json` loaded with the `tokenizers` library."""
+
+    def __init__(self, path: str | Path) -> None:
+        from tokenizers import AddedToken
+        from tokenizers import Tokenizer as _HFTok
+
+        path = Path(path)
+        if path.is_dir():
+            path = path / "tokenizer.json"
+        if not path.is_file():
+            raise ValueError(
+                f"data.tokenizer: {str(path)!r} is not a file; expected 'byte' or a tokenizer.json path"
+            )
+        try:
+            self._tok = _HFTok.from_file(str(path))
+        except Exception as e:  # tokenizers raises its own Exception subclass
+            raise ValueError(f"data.tokenizer: cannot load {path}: {e}") from e
+        configured = _configured_specials(path.parent / "tokenizer_config.json")
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+
+        def pick(kind: str, names: tuple[str, ...]) -> str:
+            if configured.get(kind) in vocab:
+                return configured[kind]
+            return next((n for n in names if n in vocab), names[0])
+
+        self.bos_token, self.eos_token = pick("bos", BOS_NAMES), pick("eos", EOS_NAMES)
+        self.pad_token = pick("pad", PAD_NAMES)
+        wanted = [self.bos_token, self.eos_token, self.pad_token, *ROLE_TOKENS.values(), END_OF_TURN]
+        self.added_tokens = [t for t in dict.fromkeys(wanted) if t not in vocab]
+        """Special tokens this class had to add (they take ids after the original vocabulary)."""
+        self._tok.add_special_tokens(
+            [AddedToken(t, special=True, normalized=False) for t in self.added_tokens]
+        )
+
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        self._vocab = vocab
+        self.vocab_size = max(vocab.values()) + 1
+        self.bos_id, self.eos_id, self.pad_id = (
+            vocab[self.bos_token],
+            vocab[self.eos_token],
+            vocab[self.pad_token],
+        )
+        digest = hashlib.sha256(self._tok.to_str().encode("utf-8")).hexdigest()[:16]
+        self.identity = f"hf-{digest}"
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def special_id(self, name: str) -> int:
+        if name not in self._vocab:
+            raise ValueError(f"unknown special token {name!r} for this tokenizer")
+        return self._vocab[name]
+
+
+def _configured_specials(config_path: Path) -> dict[str, str]:
+    """bos / eos / pad token strings from a tokenizer_config.json, when there is one."""
+    if not config_path.is_file():
+        return {}
+    try:
+        cfg = json.loads(config_path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{config_path}: cannot read: {e}") from e
+    out = {}
+    for kind in ("bos", "eos", "pad"):
+        value = cfg.get(f"{kind}_token")
+        if isinstance(value, dict):  # serialised AddedToken
+            value = value.get("content")
+        if isinstance(value, str) and value:
+            out[kind] = value
+    return out
+
+
+def build_tokenizer(spec: str) -> Tokenizer:
+    """`"byte"` for the built-in byte tokenizer, else a path to a Hugging Face tokenizer.json
+    (or to the folder that holds it)."""
+    if spec == "byte":
+        return ByteTokenizer()
+    return HFTokenizer(spec)
