@@ -45,14 +45,26 @@ def test_logger_writes_jsonl_and_tensorboard(tmp_path, caplog):
     printed = [r.message.split()[1] for r in caplog.records]
     assert printed == ["1", "2", "4", "5"]  # first, every log_freq, last
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
-    # A fresh run truncates, a resumed run appends.
-    M.MetricsLogger(cfg, str(tmp_path), enabled=True).close()
-    assert (tmp_path / "metrics.jsonl").read_text() == ""
-    log = M.MetricsLogger(Metrics(enable_tensorboard=False), str(tmp_path), enabled=True, resume=True)
-    log.log(_record(step=6), last_step=6)
-    log.log(_record(step=7), last_step=7)
+
+
+def _steps(path):
+    return [json.loads(x)["step"] for x in path.read_text().splitlines()]
+
+
+def test_resumed_run_replaces_steps_after_its_checkpoint(tmp_path):
+    cfg = Metrics(enable_tensorboard=False)
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(_record(step=s)) + "\n" for s in range(1, 8)))
+    log = M.MetricsLogger(cfg, str(tmp_path), enabled=True)
+    for step in (5, 6):  # resumed from the checkpoint of step 4
+        log.log(_record(step=step, loss=9.0), last_step=6)
     log.close()
-    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
+    assert _steps(path) == [1, 2, 3, 4, 5, 6]
+    assert [json.loads(x)["loss"] for x in path.read_text().splitlines()][4:] == [9.0, 9.0]
+    log = M.MetricsLogger(cfg, str(tmp_path), enabled=True)  # a fresh run replaces the file
+    log.log(_record(step=1), last_step=1)
+    log.close()
+    assert _steps(path) == [1]
 
 
 def test_disabled_logger_writes_nothing(tmp_path):

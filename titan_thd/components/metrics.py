@@ -130,23 +130,31 @@ def console_line(r: dict[str, Any]) -> str:
 
 
 class MetricsLogger:
-    """Writes every step to metrics.jsonl (+ TensorBoard) and prints every `log_freq` steps."""
+    """Writes every step to metrics.jsonl (+ TensorBoard) and prints every `log_freq` steps.
 
-    def __init__(self, cfg: MetricsConfig, dump_folder: str, *, enabled: bool, resume: bool = False):
+    The jsonl file is opened at the first record: a run that starts at step 1 replaces an older
+    file; a resumed run keeps the older records before its first step and drops any after it
+    (steps logged after the checkpoint it resumes from), so every step appears once.
+    """
+
+    def __init__(self, cfg: MetricsConfig, dump_folder: str, *, enabled: bool):
         self.cfg = cfg
         self.enabled = enabled
+        self.path = Path(dump_folder) / "metrics.jsonl"
         self.jsonl = None
         self.tb = None
-        if not enabled:
-            return
-        folder = Path(dump_folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        # A resumed run continues its file; a fresh run must not mix with an older run's steps.
-        self.jsonl = open(folder / "metrics.jsonl", "a" if resume else "w")
-        if cfg.enable_tensorboard:
+        if enabled and cfg.enable_tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(log_dir=str(folder / "tb"))
+            self.tb = SummaryWriter(log_dir=str(Path(dump_folder) / "tb"))
+
+    def _open(self, first_step: int) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        kept = []
+        if first_step > 1 and self.path.exists():
+            kept = [line for line in self.path.read_text().splitlines() if json.loads(line)["step"] < first_step]
+        self.jsonl = open(self.path, "w")
+        self.jsonl.writelines(line + "\n" for line in kept)
 
     def should_print(self, step: int, last_step: int) -> bool:
         return step == 1 or step == last_step or step % self.cfg.log_freq == 0
@@ -155,6 +163,8 @@ class MetricsLogger:
         if not self.enabled:
             return
         step = record["step"]
+        if self.jsonl is None:
+            self._open(step)
         self.jsonl.write(json.dumps(record) + "\n")
         self.jsonl.flush()
         if self.tb is not None:
