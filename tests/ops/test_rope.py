@@ -42,7 +42,9 @@ def test_scores_depend_only_on_relative_position():
             shifted = (rope_at(q, [m + shift]) * rope_at(k, [n + shift])).sum()
             torch.testing.assert_close(shifted, base, rtol=0, atol=TOL)
     # ...and do depend on it (the property above is not vacuous).
-    assert ((rope_at(q, [5]) * rope_at(k, [0])).sum() - (rope_at(q, [6]) * rope_at(k, [0])).sum()).abs() > 1e-3
+    assert (
+        (rope_at(q, [5]) * rope_at(k, [0])).sum() - (rope_at(q, [6]) * rope_at(k, [0])).sum()
+    ).abs() > 1e-3
 
 
 def test_positions_restart_per_document():

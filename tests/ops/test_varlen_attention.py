@@ -138,4 +138,9 @@ def test_runs_of_equal_documents_share_one_call():
     q, k, v = qkv(meta.total_tokens)
     varlen_attention(q, k, v, meta)
     # (count, real, padded) per SDPA call; the tail padding document is one zero block.
-    assert [tuple(s) for s in meta.cache["varlen_attention_segments"]] == [(3, 8, 8), (2, 3, 4), (1, 8, 8), (1, 0, 8)]
+    assert [tuple(s) for s in meta.cache["varlen_attention_segments"]] == [
+        (3, 8, 8),
+        (2, 3, 4),
+        (1, 8, 8),
+        (1, 0, 8),
+    ]

@@ -27,7 +27,9 @@ def rope_cos_sin(
     return angle_TR.cos().to(dtype), angle_TR.sin().to(dtype)
 
 
-def rope_tables(meta: BatchMeta, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(
+    meta: BatchMeta, head_dim: int, theta: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`rope_cos_sin` of the microbatch's positions, built once and shared by all layers."""
     return meta.cached(
         f"rope_{head_dim}_{theta}_{dtype}", lambda: rope_cos_sin(meta.position_ids, head_dim, theta, dtype)

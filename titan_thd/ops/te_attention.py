@@ -25,8 +25,8 @@ def _import_te():
         import transformer_engine.pytorch as te
     except Exception as e:  # RuntimeError without a usable CUDA setup, ImportError when not installed
         raise ValueError(
-            f'model.attention_backend = "te": Transformer Engine cannot be imported ({type(e).__name__}: {e}); '
-            'install the `gpu` extra or use "native"'
+            f'model.attention_backend = "te": Transformer Engine cannot be imported '
+            f'({type(e).__name__}: {e}); install the `gpu` extra or use "native"'
         ) from e
     return te
 
@@ -44,7 +44,9 @@ class TEAttention(nn.Module):
             attn_mask_type="padding_causal",
         )
 
-    def forward(self, q_THD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor, meta: BatchMeta) -> torch.Tensor:
+    def forward(
+        self, q_THD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor, meta: BatchMeta
+    ) -> torch.Tensor:
         if meta.cp.size > 1:
             raise NotImplementedError("te attention: context parallel attention is added by the CP issue")
         cu_N1, real_T = meta.cached("te_boundaries", lambda: _boundaries(meta, q_THD.device))

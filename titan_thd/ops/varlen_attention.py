@@ -89,7 +89,9 @@ def varlen_attention(
 class VarlenAttention(nn.Module):
     """`varlen_attention` as a module: the `inner_attention` of a model, swappable per backend."""
 
-    def forward(self, q_THD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor, meta: BatchMeta) -> torch.Tensor:
+    def forward(
+        self, q_THD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor, meta: BatchMeta
+    ) -> torch.Tensor:
         return varlen_attention(q_THD, k_TKD, v_TKD, meta)
 
 

@@ -1,0 +1,18 @@
+"""Dense Llama-style GQA transformer on packed THD microbatches."""
+
+from titan_thd.models.llama.args import LlamaArgs, flavors, flops_per_step
+from titan_thd.models.llama.model import Llama, build_llama
+from titan_thd.models.llama.parallelize import parallelize_llama
+from titan_thd.models.spec import ModelSpec
+
+spec = ModelSpec(
+    name="llama",
+    flavors=flavors,
+    build=build_llama,
+    flops_per_step=flops_per_step,
+    parallelize=parallelize_llama,
+    # Only the zigzag split balances causal attention; no CP mode runs until the CP issue lands.
+    cp_modes=("zigzag",),
+)
+
+__all__ = ["Llama", "LlamaArgs", "build_llama", "flavors", "flops_per_step", "parallelize_llama", "spec"]

@@ -1,0 +1,148 @@
+"""Dense Llama-style transformer over packed THD microbatches.
+
+Pre-norm blocks of grouped-query attention (RoPE from per-document positions, causal inside each
+document) and a SwiGLU feed-forward; RMSNorm; untied embedding and LM head.
+
+Legend (token-major, no batch dimension):
+    T  rows of the microbatch (this rank's rows)    V  vocabulary
+    D  model width                                   F  feed-forward hidden width
+    H  query heads    K  key/value heads             E  head dim
+    R  E // 2 RoPE frequencies
+
+Module names follow torchtitan (`tok_embeddings`, `layers.<i>.attention.wq`, ..., `norm`, `output`)
+so that checkpoints and parallel plans read the same; blocks live in an `nn.ModuleDict` keyed
+"0".."n-1" so their FQNs survive pipeline splitting (a stage deletes the modules it does not own
+and sets `tok_embeddings` / `norm` / `output` to None).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from titan_thd.models.batch_meta import BatchMeta
+from titan_thd.models.llama.args import LlamaArgs
+from titan_thd.models.spec import ModelOutput
+from titan_thd.ops.rope import apply_rope, rope_tables
+from titan_thd.ops.varlen_attention import VarlenAttention
+
+
+def build_inner_attention(args: LlamaArgs) -> nn.Module:
+    if args.attention_backend == "te":
+        from titan_thd.ops.te_attention import TEAttention  # imports Transformer Engine: CUDA only
+
+        return TEAttention(args.n_heads, args.n_kv_heads, args.head_dim)
+    return VarlenAttention()
+
+
+class Attention(nn.Module):
+    def __init__(self, args: LlamaArgs):
+        super().__init__()
+        self.head_dim = args.head_dim
+        self.rope_theta = args.rope_theta
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.inner_attention = build_inner_attention(args)
+
+    def forward(self, x_TD: torch.Tensor, meta: BatchMeta) -> torch.Tensor:
+        T = x_TD.shape[0]
+        # -1 heads: under tensor parallelism each rank holds a slice of the heads.
+        q_THE = self.wq(x_TD).view(T, -1, self.head_dim)
+        k_TKE = self.wk(x_TD).view(T, -1, self.head_dim)
+        v_TKE = self.wv(x_TD).view(T, -1, self.head_dim)
+        cos_TR, sin_TR = rope_tables(meta, self.head_dim, self.rope_theta, x_TD.dtype)
+        q_THE, k_TKE = apply_rope(q_THE, cos_TR, sin_TR), apply_rope(k_TKE, cos_TR, sin_TR)
+        o_THE = self.inner_attention(q_THE, k_TKE, v_TKE, meta)
+        return self.wo(o_THE.reshape(T, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x_TD)) * self.w3(x_TD))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: LlamaArgs):
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
+
+    def forward(self, x_TD: torch.Tensor, meta: BatchMeta) -> torch.Tensor:
+        h_TD = x_TD + self.attention(self.attention_norm(x_TD), meta)
+        return h_TD + self.feed_forward(self.ffn_norm(h_TD))
+
+
+class Llama(nn.Module):
+    def __init__(self, args: LlamaArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
+        self.norm: nn.RMSNorm | None = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
+
+    def forward(self, tokens_T: torch.Tensor, meta: BatchMeta) -> ModelOutput:
+        """tokens_T: [T] ids (or [T, D] hidden states on a pipeline stage without embeddings)."""
+        h_TD = self.tok_embeddings(tokens_T) if self.tok_embeddings is not None else tokens_T
+        for layer in self.layers.values():
+            h_TD = layer(h_TD, meta)
+        if self.norm is not None:
+            h_TD = self.norm(h_TD)
+        logits_TV = self.output(h_TD) if self.output is not None else h_TD
+        return ModelOutput(logits_TV, {})
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Re-draw every parameter from the global RNG in a fixed module order.
+
+        The result depends only on the RNG state, never on the parallel layout: build the full model
+        under `torch.manual_seed(seed)`, then shard. On already sharded parameters each rank draws
+        its local shard (values then differ from the full-model ones: for meta-device dry runs only).
+        """
+        std = 0.02
+        residual_std = std / math.sqrt(2 * self.args.n_layers)  # keeps the residual stream O(1) in depth
+        if self.tok_embeddings is not None:
+            nn.init.normal_(_local(self.tok_embeddings.weight), std=1.0)
+        for layer in self.layers.values():
+            for norm in (layer.attention_norm, layer.ffn_norm):
+                nn.init.ones_(_local(norm.weight))
+            attn, ffn = layer.attention, layer.feed_forward
+            for linear in (attn.wq, attn.wk, attn.wv, ffn.w1):
+                _trunc_normal(linear.weight, std)
+            for linear in (attn.wo, ffn.w2, ffn.w3):
+                _trunc_normal(linear.weight, residual_std)
+        if self.norm is not None:
+            nn.init.ones_(_local(self.norm.weight))
+        if self.output is not None:
+            _trunc_normal(self.output.weight, self.args.dim**-0.5)
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if isinstance(p, DTensor) else p
+
+
+def _trunc_normal(p: torch.Tensor, std: float) -> None:
+    nn.init.trunc_normal_(_local(p), std=std, a=-3 * std, b=3 * std)
+
+
+def build_llama(args: LlamaArgs) -> Llama:
+    """Full model on CPU, initialised from the current RNG state (call under a seeded RNG)."""
+    with torch.device("meta"):
+        model = Llama(args)
+    model.to_empty(device="cpu")
+    model.init_weights()
+    return model
