@@ -44,7 +44,9 @@ def _global_rank(p, d, c, t, pp, dp, cp, tp):
 class Blocks(nn.Module):
     def __init__(self, dim=64, hidden=4096, n=2):
         super().__init__()
-        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(dim, hidden), nn.Linear(hidden, dim)) for _ in range(n))
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.Linear(dim, hidden), nn.Linear(hidden, dim)) for _ in range(n)
+        )
         self.norm = nn.LayerNorm(dim)
 
 
@@ -92,7 +94,9 @@ def test_named_meshes_and_fsdp_plan(fake_world, pp, dp, cp, tp, rank):
     rows = math.ceil(4096 / n)
     assert w.to_local().shape == (max(0, min(rows, 4096 - dims.mesh_rank("fsdp") * rows)), 64)
     bias = model.layers[0][1].bias  # 64 rows over up to 1,024 ranks: most ranks hold nothing
-    assert bias.to_local().numel() == max(0, min(math.ceil(64 / n), 64 - dims.mesh_rank("fsdp") * math.ceil(64 / n)))
+    assert bias.to_local().numel() == max(
+        0, min(math.ceil(64 / n), 64 - dims.mesh_rank("fsdp") * math.ceil(64 / n))
+    )
 
 
 def test_meta_build_shard_materialize(fake_world):
@@ -110,7 +114,11 @@ def test_meta_build_shard_materialize(fake_world):
     assert all(torch.isfinite(t).all() and t.std() > 0.01 for t in locals_)
     est = estimate_memory_per_rank(model, dims, "adamw", torch.float32)
     assert est.params == sum(t.numel() for t in locals_) == 8 * 16 * 16384
-    assert (est.param_bytes, est.grad_bytes, est.optimizer_bytes) == (4 * est.params, 4 * est.params, 8 * est.params)
+    assert (est.param_bytes, est.grad_bytes, est.optimizer_bytes) == (
+        4 * est.params,
+        4 * est.params,
+        8 * est.params,
+    )
     assert "parameters per rank" in str(est)
 
 
@@ -119,8 +127,14 @@ def test_memory_estimate_muon_and_bf16():
     dims = ParallelDims(pp=1, dp_shard=2, cp=2, tp=1, world_size=4)
     muon = {"layers.0.0.weight", "layers.0.1.weight"}
     est = estimate_memory_per_rank(model, dims, "muon", torch.bfloat16, muon_params=muon)
-    local = {"layers.0.0.weight": 8 * 8, "layers.0.0.bias": 8, "layers.0.1.weight": 2 * 30, "layers.0.1.bias": 2,
-             "norm.weight": 2, "norm.bias": 2}
+    local = {
+        "layers.0.0.weight": 8 * 8,
+        "layers.0.0.bias": 8,
+        "layers.0.1.weight": 2 * 30,
+        "layers.0.1.bias": 2,
+        "norm.weight": 2,
+        "norm.bias": 2,
+    }
     assert est.params == sum(local.values())
     assert est.param_bytes == 2 * est.params
     states = sum(n * (1 if name in muon else 2) for name, n in local.items())

@@ -53,8 +53,10 @@ def _train_step(model, x, y):
 def _fsdp_body(rank, world_size):
     dims = ParallelDims(pp=1, dp_shard=-1, cp=1, tp=1, world_size=world_size)
     dims.build_meshes("cpu")
-    out = {"sizes": {n: dims.get_mesh(n).size() for n in ("batch", "loss", "fsdp", "cp", "tp", "pp")},
-           "batch_rank": dims.mesh_rank("batch")}
+    out = {
+        "sizes": {n: dims.get_mesh(n).size() for n in ("batch", "loss", "fsdp", "cp", "tp", "pp")},
+        "batch_rank": dims.mesh_rank("batch"),
+    }
     loss_mesh = dims.get_optional_mesh("loss")
     out["sum"] = distributed.dist_sum(torch.tensor([rank + 1.0]), loss_mesh).item()
     out["max"] = distributed.dist_max(rank + 10, loss_mesh)
@@ -77,8 +79,9 @@ def _fsdp_body(rank, world_size):
     loss, grads = _train_step(model, x[half], y[half])
     out["loss_rel"] = abs(distributed.dist_sum(loss, loss_mesh).item() - ref_loss.item()) / ref_loss.item()
     out["grad_rel"] = max(_rel(grads[n].full_tensor(), ref_grads[n]) for n in ref_grads)
-    out["param_rel"] = max(_rel(p.full_tensor(), dict(ref.named_parameters())[n].detach())
-                           for n, p in model.named_parameters())
+    out["param_rel"] = max(
+        _rel(p.full_tensor(), dict(ref.named_parameters())[n].detach()) for n, p in model.named_parameters()
+    )
     out["moved"] = min(_rel(dict(ref.named_parameters())[n].detach(), ref_init[n]) for n in ref_init)
 
     # bf16 compute with fp32 master weights and fp32 reduction runs on gloo
@@ -88,7 +91,11 @@ def _fsdp_body(rank, world_size):
     logits = mp_model(x[half])
     mp_loss = F.cross_entropy(logits.float(), y[half], reduction="sum")
     mp_loss.backward()
-    out["mp_dtypes"] = (logits.dtype, {p.grad.dtype for p in mp_model.parameters()}, {p.dtype for p in mp_model.parameters()})
+    out["mp_dtypes"] = (
+        logits.dtype,
+        {p.grad.dtype for p in mp_model.parameters()},
+        {p.dtype for p in mp_model.parameters()},
+    )
     out["mp_grad_rel"] = max(_rel(p.grad.full_tensor(), ref_grads[n]) for n, p in mp_model.named_parameters())
     return out
 
@@ -106,5 +113,9 @@ def test_fsdp_sum_gradients_match_single_process():
         assert r["param_rel"] <= 1e-6, r["param_rel"]
         assert r["moved"] > 1e-4  # the step changed every weight, so the comparison means something
         logits_dtype, grad_dtypes, param_dtypes = r["mp_dtypes"]
-        assert logits_dtype == torch.bfloat16 and grad_dtypes == {torch.float32} and param_dtypes == {torch.float32}
+        assert (
+            logits_dtype == torch.bfloat16
+            and grad_dtypes == {torch.float32}
+            and param_dtypes == {torch.float32}
+        )
         assert r["mp_grad_rel"] <= 3e-2, r["mp_grad_rel"]  # bf16 compute, summed (not averaged) gradients

@@ -14,8 +14,12 @@ def test_minus_one_takes_the_rest():
 
 
 def test_from_config_reads_every_degree():
-    cfg = Parallelism(data_parallel_shard_degree=3, context_parallel_degree=2, tensor_parallel_degree=1,
-                      pipeline_parallel_degree=2)
+    cfg = Parallelism(
+        data_parallel_shard_degree=3,
+        context_parallel_degree=2,
+        tensor_parallel_degree=1,
+        pipeline_parallel_degree=2,
+    )
     dims = ParallelDims.from_config(cfg, 12)
     assert (dims.pp, dims.dp, dims.cp, dims.tp) == (2, 3, 2, 1)
     assert dims.fsdp_enabled and dims.cp_enabled and dims.pp_enabled and not dims.tp_enabled
@@ -31,9 +35,9 @@ def test_degrees_must_multiply_to_the_world():
         ParallelDims(pp=1, dp_shard=4, cp=2, tp=1, world_size=16)
 
 
-@pytest.mark.parametrize("kwargs", [dict(cp=0), dict(tp=-1), dict(dp_shard=0), dict(dp_shard=-2)])
+@pytest.mark.parametrize("kwargs", [{"cp": 0}, {"tp": -1}, {"dp_shard": 0}, {"dp_shard": -2}])
 def test_bad_degrees(kwargs):
-    base = dict(pp=1, dp_shard=-1, cp=1, tp=1, world_size=4) | kwargs
+    base = {"pp": 1, "dp_shard": -1, "cp": 1, "tp": 1, "world_size": 4} | kwargs
     with pytest.raises(ValueError, match="expected"):
         ParallelDims(**base)
 
@@ -58,5 +62,7 @@ def test_check_implemented():
     ParallelDims(pp=1, dp_shard=2, cp=2, tp=1, world_size=4).check_implemented()
     with pytest.raises(ValueError, match="tensor_parallel_degree = 2: tensor parallelism is not implemented"):
         ParallelDims(pp=1, dp_shard=1, cp=1, tp=2, world_size=2).check_implemented()
-    with pytest.raises(ValueError, match="pipeline_parallel_degree = 4: pipeline parallelism is not implemented"):
+    with pytest.raises(
+        ValueError, match="pipeline_parallel_degree = 4: pipeline parallelism is not implemented"
+    ):
         ParallelDims(pp=4, dp_shard=1, cp=1, tp=1, world_size=4).check_implemented()

@@ -52,7 +52,9 @@ def select_device(local_rank: int) -> torch.device:
     """cuda:<local_rank> when CUDA is present (and made current), else the CPU."""
     if torch.cuda.is_available():
         if local_rank >= torch.cuda.device_count():
-            raise ValueError(f"LOCAL_RANK = {local_rank} but only {torch.cuda.device_count()} CUDA devices are visible")
+            raise ValueError(
+                f"LOCAL_RANK = {local_rank} but only {torch.cuda.device_count()} CUDA devices are visible"
+            )
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
@@ -62,7 +64,9 @@ def init_distributed(comm: Comm) -> DistInfo:
     """Start the process group described by `comm` and the torchrun environment."""
     if comm.mode == "fake":
         if "NGPU" not in os.environ:
-            raise ValueError("comm.mode = fake needs the simulated world size in the NGPU environment variable (e.g. NGPU=64)")
+            raise ValueError(
+                "comm.mode = fake needs the simulated world size in the NGPU environment variable (e.g. NGPU=64)"
+            )
         return init_fake(_env_int("NGPU", 1), rank=_env_int("RANK", 0))
     world_size, rank = _env_int("WORLD_SIZE", 1), _env_int("RANK", 0)
     local_rank = _env_int("LOCAL_RANK", 0)

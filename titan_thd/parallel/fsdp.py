@@ -15,8 +15,8 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
-from typing import Callable, Collection, Iterable
 
 import torch
 from torch import nn

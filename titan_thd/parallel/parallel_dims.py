@@ -152,10 +152,14 @@ class ParallelDims:
             return
         if not dist.is_initialized() or dist.get_world_size() != self.world_size:
             got = dist.get_world_size() if dist.is_initialized() else "no process group"
-            raise ValueError(f"build_meshes: ParallelDims has world size {self.world_size}, the process group {got}")
+            raise ValueError(
+                f"build_meshes: ParallelDims has world size {self.world_size}, the process group {got}"
+            )
         world = init_device_mesh(device_type, (self.pp, self.dp, self.cp, self.tp), mesh_dim_names=MESH_AXES)
         dp_cp = world["dp", "cp"]._flatten("dp_cp")
-        self._meshes = {name: dp_cp if axes == ("dp", "cp") else world[axes[0]] for name, axes in MESH_SPANS.items()}
+        self._meshes = {
+            name: dp_cp if axes == ("dp", "cp") else world[axes[0]] for name, axes in MESH_SPANS.items()
+        }
         for name in MESH_SPANS:
             assert self._meshes[name].size() == self.mesh_size(name), (name, self._meshes[name], self)
 
