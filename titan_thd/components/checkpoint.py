@@ -1,0 +1,388 @@
+"""Checkpoints with torch.distributed.checkpoint (DCP): atomic, resumable across layouts.
+
+Folder layout, `<job.dump_folder>/<checkpoint.folder>/`:
+
+    step-40/              a complete checkpoint: DCP shards (`__<rank>_0.distcp`), `.metadata`,
+                          and `meta.json` (step, world size, model fingerprint)
+    step-60.tmp-<tag>/    a save in progress, or one a crash interrupted; never loaded
+
+What one checkpoint holds (top-level keys of the DCP state dict):
+
+| key            | content                                              | across layouts          |
+|----------------|------------------------------------------------------|-------------------------|
+| `model`        | get_model_state_dict of every model part (DTensors)  | resharded by DCP        |
+| `optimizer`    | get_optimizer_state_dict, flattened to parameter FQNs | resharded by DCP        |
+| `lr_scheduler` | `{"0": state_dict, ...}` one per scheduler, one leaf | identical on all ranks  |
+| `<states key>` | `states[key].state_dict()` (train state, data), one leaf | layout-free by contract |
+| `rng`          | `{"rank_<r>": torch CPU (and CUDA) generator state}` | restored only when the  |
+|                |                                                      | world size is unchanged |
+
+Atomicity: every rank writes into `step-N.tmp-<tag>`; after DCP's final collective (the
+metadata is written) and a barrier, rank 0 renames the folder to `step-N`. A rename is atomic,
+so a crash at any moment leaves either the old set of complete checkpoints or the new one.
+
+Stopping: the manager installs a SIGTERM handler (`components/signals.py`); the trainer calls
+`should_stop()` after each step, then `save(step, force=True)` and exits with code 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import shutil
+import time
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from titan_thd.components.signals import StopSignal
+from titan_thd.config import Checkpoint
+from titan_thd.parallel import distributed
+
+logger = logging.getLogger(__name__)
+
+STEP_DIR = re.compile(r"^step-(\d+)$")
+TMP_DIR = re.compile(r"^step-\d+\.tmp-")
+META_FILE = "meta.json"
+RESERVED_KEYS = ("model", "optimizer", "lr_scheduler", "rng")
+_OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+
+# ============================================================================ fingerprint
+def model_fingerprint(model_parts: Sequence[nn.Module], **info: Any) -> dict[str, Any]:
+    """`info` (e.g. model="llama", flavor="debug") plus every parameter's name and global shape."""
+    params = {}
+    for part in model_parts:
+        for name, p in part.named_parameters():
+            params[name.replace("_orig_mod.", "")] = list(p.shape)  # torch.compile wrapper prefix
+    return {**info, "params": params}
+
+
+def fingerprint_differences(saved: dict[str, Any], current: dict[str, Any], limit: int = 8) -> list[str]:
+    """Human-readable differences between two fingerprints (empty when they agree)."""
+
+    def some(names: list[str]) -> str:
+        return ", ".join(names[:limit]) + (f" ... ({len(names)} in all)" if len(names) > limit else "")
+
+    diffs = [
+        f"{key}: checkpoint {saved.get(key)!r}, this run {current.get(key)!r}"
+        for key in sorted(set(saved) | set(current))
+        if key != "params" and saved.get(key) != current.get(key)
+    ]
+    old, new = saved.get("params", {}), current.get("params", {})
+    only_old = [n for n in old if n not in new]
+    only_new = [n for n in new if n not in old]
+    reshaped = [f"{n} {old[n]} -> {new[n]}" for n in old if n in new and old[n] != new[n]]
+    if only_old:
+        diffs.append(f"parameters only in the checkpoint: {some(only_old)}")
+    if only_new:
+        diffs.append(f"parameters only in this run's model: {some(only_new)}")
+    if reshaped:
+        diffs.append(f"parameters with other shapes (checkpoint -> this run): {some(reshaped)}")
+    return diffs
+
+
+# ============================================================================ folder helpers
+def _flat_keys(tree: Mapping[str, Any], prefix: str = "") -> list[str]:
+    """DCP's flattened keys: nested mappings are joined with '.', everything else is a leaf."""
+    keys = []
+    for k, v in tree.items():
+        if isinstance(v, Mapping):
+            keys += _flat_keys(v, f"{prefix}{k}.")
+        else:
+            keys.append(f"{prefix}{k}")
+    return keys
+
+
+@contextlib.contextmanager
+def _single_process_is_fine() -> Iterator[None]:
+    """DCP warns on every call without a process group; one process is a supported layout here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _rng_state() -> dict[str, torch.Tensor]:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+# ============================================================================ manager
+class CheckpointManager:
+    """Save / resume model, optimizer, LR schedulers, extra `states`, and RNG with DCP.
+
+    `optimizers` may be one optimizer or a list (e.g. Muon + AdamW over one model); each belongs
+    to the model part whose parameters it updates. `states` maps a key to any object with
+    `state_dict()` / `load_state_dict()` whose state is the same on every rank (train state,
+    the layout-free data state). `fingerprint` (see `model_fingerprint`) is stored and compared
+    on load so a checkpoint of another model fails with the list of differences.
+    """
+
+    def __init__(
+        self,
+        cfg: Checkpoint,
+        dump_folder: str,
+        *,
+        model_parts: Sequence[nn.Module],
+        optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
+        lr_schedulers: Any,
+        states: dict[str, Stateful],
+        fingerprint: dict[str, Any],
+    ) -> None:
+        clash = sorted(set(states) & set(RESERVED_KEYS))
+        assert not clash, f"states keys {clash} collide with the checkpoint's own keys {RESERVED_KEYS}"
+        self.cfg = cfg
+        self.folder = Path(dump_folder) / cfg.folder
+        self.model_parts = list(model_parts)
+        self.optimizers = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers)
+        self.lr_schedulers = (
+            list(lr_schedulers) if isinstance(lr_schedulers, (list, tuple)) else [lr_schedulers]
+        )
+        self.states = dict(states)
+        self.fingerprint = json.loads(json.dumps(fingerprint))  # tuples -> lists, as stored
+        self.enabled = cfg.enable and not distributed.is_fake()
+        if cfg.enable and not self.enabled:
+            logger.warning("checkpoint: disabled in a fake-process-group dry run (DCP needs real processes)")
+        self._last_saved = -1
+        self._stop = StopSignal()
+        self._stop.install()
+        self._stop_reported = False
+
+    # ------------------------------------------------------------------ folder
+    def step_dir(self, step: int) -> Path:
+        return self.folder / f"step-{step}"
+
+    def complete_steps(self) -> list[int]:
+        """Steps of the complete checkpoints (folders named exactly step-<N>), ascending."""
+        if not self.folder.is_dir():
+            return []
+        return sorted(
+            int(m.group(1)) for p in self.folder.iterdir() if p.is_dir() and (m := STEP_DIR.match(p.name))
+        )
+
+    def _leftovers(self) -> list[Path]:
+        if not self.folder.is_dir():
+            return []
+        return sorted(p for p in self.folder.iterdir() if p.is_dir() and TMP_DIR.match(p.name))
+
+    # ------------------------------------------------------------------ state
+    def _optimizers_of(self, part: nn.Module) -> list[torch.optim.Optimizer]:
+        ids = {id(p) for p in part.parameters()}
+        return [o for o in self.optimizers if any(id(p) in ids for g in o.param_groups for p in g["params"])]
+
+    def _state_dict(self) -> dict[str, Any]:
+        sd: dict[str, Any] = {"model": {}, "optimizer": {}}
+        for part in self.model_parts:
+            sd["model"].update(get_model_state_dict(part))
+            optims = self._optimizers_of(part)
+            if optims:
+                sd["optimizer"].update(get_optimizer_state_dict(part, optims, options=_OPTIM_OPTIONS))
+        # Small replicated Python state is stored whole: DCP treats a tuple as one leaf and on load
+        # replaces it with what was saved, so the loading side needs no template of its keys.
+        sd["lr_scheduler"] = ({str(i): s.state_dict() for i, s in enumerate(self.lr_schedulers)},)
+        for key, obj in self.states.items():
+            sd[key] = (obj.state_dict(),)
+        sd["rng"] = {f"rank_{distributed.rank()}": _rng_state()}
+        return sd
+
+    # ------------------------------------------------------------------ save
+    def save(self, step: int, force: bool = False) -> None:
+        """Save at multiples of `checkpoint.interval`, or now when `force` (final step, SIGTERM)."""
+        if not self.enabled or step == self._last_saved or (not force and step % self.cfg.interval):
+            return
+        start = time.perf_counter()
+        main = distributed.rank() == 0
+        tag = distributed.broadcast_object(f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
+        tmp = self.folder / f"step-{step}.tmp-{tag}"
+        if main:
+            for old in self._leftovers():
+                logger.warning("checkpoint: removing %s, left by an interrupted save", old)
+                shutil.rmtree(old, ignore_errors=True)
+        tmp.mkdir(parents=True, exist_ok=True)
+        with _single_process_is_fine():
+            dcp.save(self._state_dict(), storage_writer=dcp.FileSystemWriter(tmp))
+        if main:
+            meta = {
+                "step": step,
+                "world_size": distributed.world_size(),
+                "fingerprint": self.fingerprint,
+                "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+            }
+            with open(tmp / META_FILE, "w") as f:
+                json.dump(meta, f)
+                f.flush()
+                os.fsync(f.fileno())
+        distributed.barrier()  # every rank's shards are on disk before the folder becomes visible
+        if main:
+            self._publish(tmp, step)
+            self._purge(keep=step)
+        distributed.barrier()
+        self._last_saved = step
+        if main:
+            size = sum(f.stat().st_size for f in self.step_dir(step).iterdir())
+            logger.info(
+                "checkpoint: saved step %d to %s (%.1f MB) in %.2f s",
+                step,
+                self.step_dir(step),
+                size / 1e6,
+                time.perf_counter() - start,
+            )
+
+    def _publish(self, tmp: Path, step: int) -> None:
+        final = self.step_dir(step)
+        stale = None
+        if final.exists():  # re-saving a step (a run resumed from an earlier checkpoint)
+            stale = self.folder / f"step-{step}.tmp-replaced-{os.getpid()}"
+            os.rename(final, stale)
+        os.rename(tmp, final)
+        _fsync_dir(self.folder)
+        if stale is not None:
+            shutil.rmtree(stale, ignore_errors=True)
+
+    def _purge(self, keep: int) -> None:
+        if self.cfg.keep_latest_k <= 0:
+            return
+        others = [s for s in self.complete_steps() if s != keep]
+        for step in others[: max(0, len(others) - (self.cfg.keep_latest_k - 1))]:
+            logger.info("checkpoint: deleting step-%d (keep_latest_k = %d)", step, self.cfg.keep_latest_k)
+            shutil.rmtree(self.step_dir(step), ignore_errors=True)
+
+    # ------------------------------------------------------------------ load
+    def _resume_step(self) -> int | None:
+        steps = self.complete_steps()
+        for old in self._leftovers():
+            logger.warning("checkpoint: ignoring incomplete %s (an interrupted save)", old)
+        want = self.cfg.load_step
+        if want < -1:
+            raise ValueError(f"checkpoint.load_step = {want}: expected -1 (the newest) or a saved step")
+        if want >= 0 and want not in steps:
+            raise ValueError(
+                f"checkpoint.load_step = {want}: there is no complete checkpoint {self.step_dir(want)}; "
+                f"steps found in {self.folder}: {', '.join(map(str, steps)) or 'none'}"
+            )
+        if want >= 0:
+            return want
+        return steps[-1] if steps else None
+
+    def _read_meta(self, path: Path) -> dict[str, Any]:
+        """meta.json of a checkpoint, after checking that it was saved from this model."""
+        try:
+            meta = json.loads((path / META_FILE).read_text())
+        except FileNotFoundError:
+            raise ValueError(
+                f"checkpoint {path}: {META_FILE} is missing (not written by titan_thd?)"
+            ) from None
+        diffs = fingerprint_differences(meta["fingerprint"], self.fingerprint)
+        if diffs:
+            raise ValueError(f"checkpoint {path} was saved from another model:\n  " + "\n  ".join(diffs))
+        return meta
+
+    @staticmethod
+    def _check_contents(path: Path, state_dict: dict[str, Any]) -> None:
+        """ValueError naming missing shard files or entries that `state_dict` needs."""
+        if not (path / ".metadata").is_file():
+            raise ValueError(f"checkpoint {path}: the DCP index file .metadata is missing")
+        metadata = dcp.FileSystemReader(path).read_metadata()
+        files = sorted({info.relative_path for info in metadata.storage_data.values()})
+        absent = [f for f in files if not (path / f).is_file()]
+        if absent:
+            raise ValueError(f"checkpoint {path}: shard files missing: {', '.join(absent)} (of {len(files)})")
+        saved = set(metadata.state_dict_metadata)
+        missing = [
+            k
+            for k in _flat_keys(state_dict)
+            if k not in saved and not any(s.startswith(k + ".") for s in saved)
+        ]
+        if missing:
+            shown = ", ".join(missing[:8]) + (f" ... ({len(missing)} in all)" if len(missing) > 8 else "")
+            raise ValueError(f"checkpoint {path} lacks entries this run needs: {shown}")
+
+    def load(self) -> int:
+        """Restore the newest complete checkpoint (or `checkpoint.load_step`); the step, 0 if none."""
+        if not self.enabled:
+            return 0
+        step = self._resume_step()
+        if step is None:
+            logger.info("checkpoint: nothing to resume in %s; starting from step 0", self.folder)
+            return 0
+        start = time.perf_counter()
+        path = self.step_dir(step)
+        meta = self._read_meta(path)
+        sd = self._state_dict()
+        if meta["world_size"] != distributed.world_size():
+            # RNG streams are per rank; a different world has different ranks.
+            logger.warning(
+                "checkpoint: saved on %d ranks, running on %d: RNG state not restored",
+                meta["world_size"],
+                distributed.world_size(),
+            )
+            del sd["rng"]
+        self._check_contents(path, sd)
+        with _single_process_is_fine():
+            dcp.load(sd, checkpoint_id=path)
+        for part in self.model_parts:
+            set_model_state_dict(part, sd["model"], options=StateDictOptions(strict=False))
+            optims = self._optimizers_of(part)
+            if optims:
+                set_optimizer_state_dict(part, optims, sd["optimizer"], options=_OPTIM_OPTIONS)
+        for i, scheduler in enumerate(self.lr_schedulers):
+            scheduler.load_state_dict(sd["lr_scheduler"][0][str(i)])
+        for key, obj in self.states.items():
+            obj.load_state_dict(sd[key][0])
+        if "rng" in sd:
+            _set_rng_state(sd["rng"][f"rank_{distributed.rank()}"])
+        self._last_saved = step
+        logger.info("checkpoint: resumed from %s in %.2f s", path, time.perf_counter() - start)
+        return step
+
+    # ------------------------------------------------------------------ stop / close
+    def should_stop(self) -> bool:
+        """True on every rank once any rank received SIGTERM (call after each step)."""
+        stop = distributed.any_rank(self._stop.requested)
+        if stop and not self._stop_reported:
+            self._stop_reported = True
+            logger.warning(
+                "checkpoint: stop requested (%s): saving and exiting after this step",
+                self._stop.received.name if self._stop.received else "signal on another rank",
+            )
+        return stop
+
+    def close(self) -> None:
+        self._stop.restore()
