@@ -1,0 +1,221 @@
+"""THD packing vs per-batch padding: real tokens/s of one dense llama training step on CPU.
+
+Both variants run the same model (same weights) on the same documents, microbatch by microbatch:
+- thd:    the documents of a microbatch concatenated into one [T] stream (tail padding up to T),
+          attention = titan_thd.ops.varlen_attention (a per-document causal SDPA loop);
+- padded: the same documents as a [B, S_max] batch padded to the longest one, attention = one
+          `scaled_dot_product_attention(is_causal=True)` on [B, H, S_max, D] (padding sits at the
+          causal tail, so no key mask is needed), padded labels ignored by the loss. This is the
+          usual padded training step, with the fastest CPU attention kernel.
+A step is forward + backward of the summed cross-entropy (no optimizer). Each variant runs in its
+own process so that its peak resident memory (ru_maxrss) is its own.
+
+    .venv/bin/python scripts/bench_thd_vs_padded.py --json /tmp/thd_vs_padded.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from titan_thd.components.loss import cross_entropy_sum  # noqa: E402
+from titan_thd.data.mock import mock_lengths  # noqa: E402
+from titan_thd.data.packed_batch import IGNORE_INDEX, PackedBatch  # noqa: E402
+from titan_thd.models.batch_meta import BatchMeta  # noqa: E402
+from titan_thd.models.llama import build_llama, flavors  # noqa: E402
+
+VARIANTS = ("thd", "padded")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--flavor", default="bench", choices=sorted(flavors))
+    p.add_argument("--vocab-size", type=int, default=512)
+    p.add_argument("--tokens", type=int, default=4096, help="T: tokens per THD microbatch")
+    p.add_argument("--mean-len", type=int, default=512)
+    p.add_argument("--sigma", type=float, default=1.0)
+    p.add_argument("--min-len", type=int, default=32)
+    p.add_argument("--max-len", type=int, default=4096)
+    p.add_argument("--warmup", type=int, default=1, help="microbatches run before timing")
+    p.add_argument("--steps", type=int, default=4, help="timed microbatches")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default="", help="write the headline figures to this file")
+    p.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)  # child process mode
+    args = p.parse_args(argv)
+    if args.max_len > args.tokens:
+        p.error(f"--max-len {args.max_len} must not exceed --tokens {args.tokens} (a document must fit T)")
+    return args
+
+
+# ============================================================================ data
+def microbatch_documents(args: argparse.Namespace) -> list[list[torch.Tensor]]:
+    """warmup + steps microbatches of seeded lognormal documents, filled in order up to T tokens."""
+    cfg = {
+        "mode": "distribution",
+        "type": "lognormal",
+        "min_seq_len": args.min_len,
+        "max_seq_len": args.max_len,
+        "mean_seq_len": args.mean_len,
+        "lognormal_sigma": args.sigma,
+    }
+    lengths = iter(mock_lengths(cfg, 100_000, args.seed).tolist())
+    gen = torch.Generator().manual_seed(args.seed)
+    batches: list[list[torch.Tensor]] = [[]]
+    while len(batches) <= args.warmup + args.steps:
+        n = next(lengths)
+        if sum(len(d) for d in batches[-1]) + n > args.tokens:
+            batches.append([])
+        batches[-1].append(torch.randint(0, args.vocab_size, (n,), generator=gen))
+    return batches[:-1]
+
+
+def packed_inputs(
+    docs: list[torch.Tensor], slot: int | None, total: int
+) -> tuple[torch.Tensor, torch.Tensor, BatchMeta]:
+    """tokens_T, labels_T, meta of `docs`, each padded to `slot` rows (None: its own length), then
+    one tail padding document up to `total` rows."""
+    lens = [len(d) for d in docs]
+    plens = [slot or n for n in lens]
+    if total > sum(plens):
+        lens, plens = lens + [0], plens + [total - sum(plens)]
+    tokens = torch.zeros(total, dtype=torch.long)
+    labels = torch.full((total,), IGNORE_INDEX, dtype=torch.long)
+    start = 0
+    for d, p in zip(docs, plens):
+        tokens[start : start + len(d)] = d
+        labels[start : start + len(d) - 1] = d[1:]
+        start += p
+    cu, cu_padded = (torch.tensor([0] + xs).cumsum(0).to(torch.int32) for xs in (lens, plens))
+    positions = torch.cat([torch.arange(p) for p in plens])
+    batch = PackedBatch(tokens, labels, None, positions, cu, cu_padded, max(plens), len(lens))
+    return tokens, labels, BatchMeta.from_batch(batch.validate())
+
+
+class PaddedCausalAttention(nn.Module):
+    """Attention of a padded [B, S] batch whose rows arrive flattened token-major ([B*S, H, D])."""
+
+    def forward(self, q_THD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor, meta: BatchMeta):
+        S = meta.max_seqlen  # every document of the batch is padded to S rows
+        q, k, v = (x.unflatten(0, (-1, S)).transpose(1, 2) for x in (q_THD, k_TKD, v_TKD))
+        o_BHSD = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+        return o_BHSD.transpose(1, 2).flatten(0, 1)
+
+
+# ============================================================================ one variant (child)
+def rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+
+
+def run_variant(args: argparse.Namespace) -> dict:
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    model = build_llama(dataclasses.replace(flavors[args.flavor], vocab_size=args.vocab_size))
+    batches = microbatch_documents(args)
+    if args.variant == "thd":
+        inputs = [packed_inputs(docs, None, args.tokens) for docs in batches]
+    else:
+        s_max = [max(len(d) for d in docs) for docs in batches]
+        inputs = [packed_inputs(docs, s, s * len(docs)) for docs, s in zip(batches, s_max)]
+        for block in model.layers.values():
+            block.attention.inner_attention = PaddedCausalAttention()
+    setup_mb = rss_mb()
+    elapsed, real_tokens, slots, losses = 0.0, 0, 0, []
+    for i, (tokens, labels, meta) in enumerate(inputs):
+        t0 = time.perf_counter()
+        logits = model(tokens, meta).logits
+        loss = cross_entropy_sum(logits, labels)
+        loss.backward()
+        dt = time.perf_counter() - t0
+        model.zero_grad(set_to_none=True)
+        losses.append(float(loss))
+        if i >= args.warmup:
+            elapsed += dt
+            real_tokens += sum(meta.seqlens)
+            slots += len(tokens)
+    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return {
+        "variant": args.variant,
+        "tokens_per_s": real_tokens / elapsed,
+        "seconds_per_step": elapsed / args.steps,
+        "real_tokens": real_tokens,
+        "slots": slots,
+        "peak_mb": peak_mb,
+        "peak_over_setup_mb": peak_mb - setup_mb,
+        "losses": losses,
+    }
+
+
+# ============================================================================ packer
+def packer_tokens_per_s(args: argparse.Namespace) -> float | None:
+    """The packer's own throughput on one core, or None while titan_thd.data.packer does not exist."""
+    try:
+        from titan_thd.data import packer
+    except ImportError:
+        return None
+    torch.set_num_threads(1)
+    return packer.packer_throughput(args.tokens)
+
+
+# ============================================================================ main
+def main() -> None:
+    args = parse_args()
+    if args.variant:
+        print(json.dumps(run_variant(args)))
+        return
+    results = {}
+    for variant in VARIANTS:
+        cmd = [sys.executable, __file__, *sys.argv[1:], "--variant", variant]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode:
+            sys.exit(f"{variant} run failed:\n{proc.stderr}")
+        results[variant] = json.loads(proc.stdout.strip().splitlines()[-1])
+    thd, pad = results["thd"], results["padded"]
+    # Same weights, same documents: the two layouts must compute the same loss.
+    for a, b in zip(thd["losses"], pad["losses"]):
+        assert abs(a - b) <= 1e-4 * abs(b), (thd["losses"], pad["losses"])
+    packer = packer_tokens_per_s(args)
+    speedup = thd["tokens_per_s"] / pad["tokens_per_s"]
+
+    print(
+        f"llama/{args.flavor} fp32, {args.threads} threads, T={args.tokens}, lognormal lengths "
+        f"mean {args.mean_len} sigma {args.sigma} clipped to [{args.min_len}, {args.max_len}], "
+        f"{args.steps} timed microbatches ({thd['real_tokens']} real tokens) after {args.warmup} warm-up"
+    )
+    header = ("variant", "real tok/s", "s/step", "slots", "padding", "peak MB", "Δ MB")
+    print(f"{header[0]:<8}" + "".join(f"{h:>11}" for h in header[1:]))
+    for r in (thd, pad):
+        print(
+            f"{r['variant']:<8}{r['tokens_per_s']:>11.0f}{r['seconds_per_step']:>11.2f}{r['slots']:>11}"
+            f"{1 - r['real_tokens'] / r['slots']:>11.1%}{r['peak_mb']:>11.0f}{r['peak_over_setup_mb']:>11.0f}"
+        )
+    print(f"speedup (thd / padded real tokens/s): {speedup:.2f}x")
+    packer_line = "titan_thd.data.packer not available yet" if packer is None else f"{packer:,.0f} tokens/s"
+    print(f"packer (1 thread): {packer_line}")
+    if args.json:
+        figures = {
+            "speedup": speedup,
+            "thd_tokens_per_s": thd["tokens_per_s"],
+            "padded_tokens_per_s": pad["tokens_per_s"],
+            "thd_peak_mb": thd["peak_mb"],
+            "padded_peak_mb": pad["peak_mb"],
+            "packer_tokens_per_s": packer,
+        }
+        Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
