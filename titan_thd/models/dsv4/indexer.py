@@ -1,0 +1,133 @@
+"""Lightning indexer of CSA layers and its KL training loss (research §3.3, §10).
+
+Legend:  T queries   HI indexer heads   I indexer head dim   C compressed entries   k top-k
+         H attention heads   D attention head dim   W window keys   K candidates per query
+
+Score of entry s for query t (entries of the query's own document only, causal):
+
+    I[t, s] = sum_h w[t, h] * ReLU(q_I[t, h] . k_I[s]) * I^-0.5,   w = (x W_w) * HI^-0.5
+
+The indexer reads detached inputs (x and the query latent c_q), so it learns only from the KL loss
+against the detached main attention, and the selection (an integer index) sends no gradient to the
+main model either (pitfall 10).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from titan_thd.models.dsv4.args import DSv4Args
+from titan_thd.models.dsv4.compressor import Compressor
+from titan_thd.models.dsv4.plans import CompressPlan
+from titan_thd.models.dsv4.rope import apply_rope
+
+
+class Indexer(nn.Module):
+    def __init__(self, args: DSv4Args):
+        super().__init__()
+        self.n_heads, self.head_dim, self.topk = args.index_n_heads, args.index_head_dim, args.index_topk
+        self.wq_b = nn.Linear(args.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.weights_proj = nn.Linear(args.dim, self.n_heads, bias=False)
+        self.compressor = Compressor(args.dim, self.head_dim, args.csa_ratio, overlap=True, eps=args.norm_eps)
+        self.chunk = args.attn_chunk
+
+    def forward(
+        self, x_TD: torch.Tensor, cq_TQ: torch.Tensor, plan: CompressPlan, rope: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q_THI, w_TH, k_CI) from the (already detached) attention input and query latent."""
+        k_CI = self.compressor(x_TD, plan)
+        q_THI = apply_rope(self.wq_b(cq_TQ).view(cq_TQ.shape[0], self.n_heads, self.head_dim), *rope)
+        w_TH = self.weights_proj(x_TD) * self.n_heads**-0.5
+        return q_THI, w_TH, k_CI
+
+    @torch.no_grad()
+    def select(self, q_THI: torch.Tensor, w_TH: torch.Tensor, k_CI: torch.Tensor, plan: CompressPlan) -> torch.Tensor:
+        """[T, k] entries with the highest scores among each query's visible ones (-1 = none).
+
+        Scores of a query chunk are computed densely against the contiguous entry range its
+        documents span (a matmul, cost per query ~ (chunk + doc length) / m, flat in T), then masked.
+        Ties are broken towards the lower entry index, so the choice does not depend on what else
+        is packed into the microbatch (torch.topk alone gives no such guarantee, and ReLU makes exact
+        ties common).
+        """
+        T = q_THI.shape[0]
+        out_Tk = torch.full((T, self.topk), -1, dtype=torch.long, device=q_THI.device)
+        for a in range(0, T, self.chunk):
+            start_n, n_vis_n = plan.start_T[a : a + self.chunk], plan.n_vis_T[a : a + self.chunk]
+            lo, hi = int(start_n.min()), int((start_n + n_vis_n).max())
+            if hi <= lo:
+                continue
+            score_nC = _scores_dense(q_THI[a : a + self.chunk], w_TH[a : a + self.chunk], k_CI[lo:hi], self.head_dim)
+            col_C = torch.arange(lo, hi, device=q_THI.device)
+            ok_nC = (col_C >= start_n[:, None]) & (col_C < (start_n + n_vis_n)[:, None])
+            score_nC.masked_fill_(~ok_nC, float("-inf"))
+            k = min(self.topk, hi - lo)
+            pick_nC = _topk_mask_low_index_first(score_nC, k)
+            cols_nk = pick_nC.nonzero()[:, 1].view(-1, k)  # ascending entry order per row
+            out_Tk[a : a + self.chunk, :k] = torch.where(ok_nC.gather(1, cols_nk), cols_nk + lo, -1)
+        return out_Tk
+
+    def scores(self, q_THI: torch.Tensor, w_TH: torch.Tensor, k_CI: torch.Tensor, cand_TK: torch.Tensor) -> torch.Tensor:
+        """[T, K] differentiable scores of the listed candidates (-inf where cand = -1)."""
+        k_TKI = k_CI[cand_TK.clamp(min=0)]
+        relu_THK = F.relu(torch.bmm(q_THI, k_TKI.transpose(1, 2))) * self.head_dim**-0.5
+        score_TK = torch.bmm(w_TH[:, None, :], relu_THK)[:, 0]
+        return score_TK.masked_fill(cand_TK < 0, float("-inf"))
+
+
+def _scores_dense(q_nHI: torch.Tensor, w_nH: torch.Tensor, k_CI: torch.Tensor, head_dim: int) -> torch.Tensor:
+    relu_nHC = F.relu(torch.einsum("nhi,ci->nhc", q_nHI, k_CI)) * head_dim**-0.5
+    return torch.bmm(w_nH[:, None, :], relu_nHC)[:, 0]
+
+
+def _topk_mask_low_index_first(score_nC: torch.Tensor, k: int) -> torch.Tensor:
+    """Bool mask of exactly k columns per row: values above the k-th largest, then ties by column."""
+    kth_n1 = score_nC.topk(k, dim=1).values[:, -1:]
+    above_nC = score_nC > kth_n1
+    tie_nC = score_nC == kth_n1
+    room_n1 = k - above_nC.sum(1, keepdim=True)
+    return above_nC | (tie_nC & (tie_nC.cumsum(1) <= room_n1))
+
+
+def indexer_kl(
+    q_THD: torch.Tensor,
+    kv_TD: torch.Tensor,
+    comp_CD: torch.Tensor,
+    sink_H: torch.Tensor,
+    window_TW: torch.Tensor,
+    cand_TK: torch.Tensor,
+    student_TK: torch.Tensor,
+    row_ok_T: torch.Tensor,
+    scale: float,
+    chunk: int,
+) -> torch.Tensor:
+    """Sum over valid rows of KL(teacher || student) over each row's candidate entries.
+
+    Teacher: the main attention's probabilities on the candidates, normalised by the full softmax
+    mass (window + candidates + sink), summed over heads, then L1-normalised over the candidates;
+    computed from detached tensors. Student: softmax of the indexer scores over the same candidates.
+    Rows without candidates and padding rows (`row_ok_T` False) do not count.
+    """
+    acc = torch.promote_types(q_THD.dtype, torch.float32)
+    teacher_TK = torch.empty(cand_TK.shape, dtype=acc, device=q_THD.device)
+    with torch.no_grad():
+        for a in range(0, q_THD.shape[0], chunk):
+            rows = slice(a, a + chunk)
+            lw_nHW = _logits(q_THD[rows], kv_TD, window_TW[rows], scale, acc)
+            lc_nHK = _logits(q_THD[rows], comp_CD, cand_TK[rows], scale, acc)
+            sink_nH1 = sink_H.to(acc)[None, :, None].expand(lc_nHK.shape[0], -1, 1)
+            lse_nH1 = torch.cat([lw_nHW, lc_nHK, sink_nH1], dim=-1).logsumexp(-1, keepdim=True)
+            mass_nK = torch.exp(lc_nHK - lse_nH1).sum(1)
+            teacher_TK[rows] = mass_nK / mass_nK.sum(-1, keepdim=True).clamp_min(torch.finfo(acc).tiny)
+        ok_T = row_ok_T & (cand_TK >= 0).any(-1)
+    teacher_rK = teacher_TK[ok_T]
+    log_student_rK = torch.log_softmax(student_TK[ok_T].to(acc), dim=-1).masked_fill(teacher_rK == 0, 0.0)
+    return (torch.xlogy(teacher_rK, teacher_rK) - teacher_rK * log_student_rK).sum()
+
+
+def _logits(q_nHD, buf_SD, idx_nK, scale, acc):
+    """Detached attention logits of queries against listed buffer rows (-inf where idx = -1)."""
+    logits_nHK = torch.bmm(q_nHD.detach().to(acc), buf_SD.detach()[idx_nK.clamp(min=0)].to(acc).transpose(1, 2))
+    return (logits_nHK * scale).masked_fill((idx_nK < 0)[:, None, :], float("-inf"))

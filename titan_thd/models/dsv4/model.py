@@ -1,0 +1,122 @@
+"""DeepSeek-V4(-Flash) hybrid model over packed THD microbatches.
+
+Legend:  T rows   N mHC streams (hc_mult)   d model width   V vocabulary
+
+    embed -> copy into N streams -> blocks (mHC + sliding / CSA / HCA attention, mHC + MoE)
+          -> hc_head -> norm -> head                                    (+ MTP block, depth 1)
+
+`model(tokens_T, meta) -> ModelOutput(logits_TV, aux_losses)`; the aux losses are SUMS over this
+rank's rows with their coefficients applied (the trainer divides them by the global trained-token
+count like the main cross-entropy):
+    "mtp":     mtp_loss_weight * sum of MTP cross-entropy over trained MTP targets,
+    "indexer": indexer_loss_coeff * sum over CSA layers and valid rows of the indexer KL
+               (training mode only; it is the indexer's only gradient source).
+Module and parameter names follow the reference checkpoint (`embed`, `layers.<i>.attn.wq_a`,
+`layers.<i>.ffn.experts.<e>.w1`, `hc_head`, `head`, `mtp.0`), so hf_interop renames little.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from titan_thd.models.batch_meta import BatchMeta
+from titan_thd.models.dsv4.args import DSv4Args
+from titan_thd.models.dsv4.attention import Attention
+from titan_thd.models.dsv4.block import Block
+from titan_thd.models.dsv4.compressor import Compressor
+from titan_thd.models.dsv4.mhc import HyperConnection, HyperHead
+from titan_thd.models.dsv4.moe import Gate
+from titan_thd.models.dsv4.mtp import MTPBlock, mtp_inputs_targets
+from titan_thd.models.dsv4.norm import RMSNorm
+from titan_thd.models.dsv4.plans import get_plan
+from titan_thd.models.spec import ModelOutput
+
+
+class DSv4Model(nn.Module):
+    def __init__(self, args: DSv4Args):
+        super().__init__()
+        self.args = args
+        self.embed = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict(
+            {str(i): Block(args, t, hash_routed=i < args.n_hash_layers) for i, t in enumerate(args.layer_types)}
+        )
+        self.hc_head = HyperHead(args.hc_mult, args.dim, args.hc_eps, args.norm_eps)
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.head = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.mtp = nn.ModuleList(MTPBlock(args) for _ in range(args.mtp_layers))
+
+    def forward(self, tokens_T: torch.Tensor, meta: BatchMeta) -> ModelOutput:
+        args = self.args
+        plan = get_plan(meta, args, self.embed.weight.dtype)
+        with_kl = self.training and args.indexer_loss_coeff > 0
+        h_TND = self.embed(tokens_T)[:, None, :].expand(-1, args.hc_mult, -1)
+        kl_sum = torch.zeros((), device=tokens_T.device)
+        for layer in self.layers.values():
+            h_TND, kl = layer(h_TND, tokens_T, plan, with_kl)
+            if kl is not None:
+                kl_sum = kl_sum + kl
+        logits_TV = self.head(self.norm(self.hc_head(h_TND)))
+        aux: dict[str, torch.Tensor] = {}
+        if with_kl:
+            aux["indexer"] = args.indexer_loss_coeff * kl_sum
+        if self.mtp and meta.labels_full is not None and args.mtp_loss_weight > 0:
+            aux["mtp"] = args.mtp_loss_weight * self._mtp_loss_sum(h_TND, meta, plan)
+        return ModelOutput(logits_TV, aux)
+
+    def _mtp_loss_sum(self, h_TND: torch.Tensor, meta: BatchMeta, plan) -> torch.Tensor:
+        assert meta.loss_mask_full is not None, "MTP needs the loss mask with the labels"
+        next_T, target_T, trained_T = mtp_inputs_targets(meta.labels_full, meta.loss_mask_full, plan.doc_T)
+        x_TD = self.mtp[0](h_TND, self.embed(next_T), next_T, plan)
+        logits_rV = self.head(x_TD[trained_T])
+        return F.cross_entropy(logits_rV.float(), target_T[trained_T], reduction="sum")
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Draw every parameter and buffer from the global RNG in a fixed module order.
+
+        Depends only on the RNG state, never on the parallel layout (build under a seed, then shard).
+        Matrices N(0, init_std); norms 1; mHC base 0 and scales 1; sinks and slot biases 0; balancing
+        biases 0; each hash layer gets a random table of distinct experts per token id.
+        """
+        std = self.args.init_std
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(_local(module.weight), std=std)
+            elif isinstance(module, RMSNorm):
+                nn.init.ones_(_local(module.weight))
+            elif isinstance(module, (HyperConnection, HyperHead)):
+                nn.init.normal_(_local(module.fn), std=std)
+                nn.init.zeros_(_local(module.base))
+                nn.init.ones_(_local(module.scale))
+            elif isinstance(module, Compressor):
+                nn.init.zeros_(_local(module.ape))
+            elif isinstance(module, Attention):
+                nn.init.zeros_(_local(module.attn_sink))
+            elif isinstance(module, Gate):
+                nn.init.normal_(_local(module.weight), std=std)
+                if module.hash_routed:
+                    V, k = module.tid2eid.shape
+                    module.tid2eid.copy_(torch.rand(V, module.weight.shape[0]).argsort(-1)[:, :k])
+                else:
+                    module.bias.zero_()
+                    module.load.zero_()
+
+    def router_gates(self) -> list[Gate]:
+        """Learned (bias-balanced) routers, MTP included."""
+        return [m for m in self.modules() if isinstance(m, Gate) and not m.hash_routed]
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if isinstance(p, DTensor) else p
+
+
+def build_dsv4(args: DSv4Args) -> DSv4Model:
+    """Full model on CPU, initialised from the current RNG state (call under a seeded RNG)."""
+    with torch.device("meta"):
+        model = DSv4Model(args)
+    model.to_empty(device="cpu")
+    model.init_weights()
+    return model

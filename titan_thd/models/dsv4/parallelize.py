@@ -1,0 +1,26 @@
+"""Parallelise a DSv4 model: FSDP per block (tensor and context parallelism come with their issues)."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from titan_thd.config import Parallelism
+from titan_thd.models.dsv4.model import DSv4Model
+from titan_thd.parallel.parallel_dims import ParallelDims
+
+
+def parallelize_dsv4(model: DSv4Model, parallel_dims: ParallelDims, parallelism_cfg: Parallelism) -> DSv4Model:
+    if parallel_dims.tp > 1:
+        raise NotImplementedError(
+            f"parallelism.tensor_parallel_degree = {parallel_dims.tp}: tensor parallelism for dsv4 is not "
+            "implemented; use 1"
+        )
+    # Context parallelism needs no wrapping: the attention reads BatchMeta.cp (and refuses CP > 1 for now).
+    fsdp_mesh = parallel_dims.get_optional_mesh("fsdp")
+    if fsdp_mesh is None:
+        return model
+    from titan_thd.parallel import fsdp  # lazily: pulls in FSDP2 only for multi-process runs
+
+    blocks: list[nn.Module] = list(model.layers.values()) + list(model.mtp)
+    fsdp.apply_fsdp(model, fsdp_mesh, blocks, reshard_after_forward=not parallel_dims.pp_enabled)
+    return model
