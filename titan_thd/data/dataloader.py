@@ -1,0 +1,239 @@
+"""StatefulDataLoader assembly: one `StepBatch` per optimizer step for this DP replica.
+
+A map-style dataset indexed by the step does the per-step work (in `data.num_workers` worker
+processes, or in-process for 0): sample ids of the global batch from the sampler, the plan of ALL
+replicas from the global lengths (every rank computes the same plan), then only this replica's
+samples are read and packed. Its output depends on (dataset, seed, step, layout) only, so:
+
+- `state_dict()` / `load_state_dict()` resume mid-epoch exactly with the same layout (the torchdata
+  loader state, which fast-forwards its step sampler);
+- `data_state()` is layout-free ({"step", "epoch", "cursor", "seed"}); a checkpoint written with
+  one DP degree resumes with another by building the loader at that step (`start_step`), or by
+  `load_state_dict()`, which does exactly that when the saved layout differs.
+
+`data.source = "packed"` reads offline-packed rows instead (packed_dataset.py): there
+`training.global_batch_size` counts packed rows, each row is one microbatch, and replica d takes
+rows [d*G/dp, (d+1)*G/dp) of the step's rows.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from titan_thd.data import sampler
+from titan_thd.data.packed_batch import PackedBatch
+from titan_thd.data.packed_dataset import PackedRows, open_packed
+from titan_thd.data.packer import pack_microbatch, padded_lengths
+from titan_thd.data.planner import make_plan, sample_costs
+
+
+@dataclass
+class StepBatch:
+    step: int
+    microbatches: list[PackedBatch]
+    """This DP replica's microbatches, before the CP split."""
+    num_microbatches: int
+    """Microbatches per replica (identical on every replica)."""
+    trained_tokens: int
+    """GLOBAL trained labels of the step (all replicas): the loss normaliser."""
+    real_tokens: int
+    """GLOBAL real (non-padding) tokens."""
+    slot_tokens: int
+    """GLOBAL token slots = dp * num_microbatches * T."""
+    doc_lengths: list[int]
+    """GLOBAL real document lengths of the step (for FLOPs)."""
+    imbalance: float
+    """max / mean replica cost of the plan (1.0 = perfect)."""
+
+
+class _Steps(torch.utils.data.Dataset):
+    """Step index -> StepBatch; the parts shared by both sources."""
+
+    num_samples: int
+
+    def __init__(self, *, dp_rank: int, dp_size: int, T: int, global_batch_size: int, seed: int, shuffle: bool):
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank {dp_rank} is outside 0..{dp_size - 1}")
+        self.dp_rank, self.dp_size, self.T = dp_rank, dp_size, T
+        self.global_batch_size, self.seed, self.shuffle = global_batch_size, seed, shuffle
+
+    def sample_ids(self, step: int) -> np.ndarray:
+        return sampler.global_batch_indices(step, self.global_batch_size, self.num_samples, self.seed, self.shuffle)
+
+
+class PlannedSteps(_Steps):
+    """Samples of a TokenStore planned into microbatches every step."""
+
+    def __init__(self, store, *, pad_to_multiple: int, cp_size: int, planner: str, cost_attention: float,
+                 microbatch_group: int | None = None, **common):
+        super().__init__(**common)
+        self.store, self.num_samples = store, len(store)
+        self.pad_to_multiple, self.cp_size = pad_to_multiple, cp_size
+        self.planner, self.cost_attention, self.microbatch_group = planner, cost_attention, microbatch_group
+
+    def __getitem__(self, step: int) -> StepBatch:
+        ids = self.sample_ids(step)
+        lengths = self.store.lengths[ids]
+        plan = make_plan(
+            self.planner, padded_lengths(lengths, self.pad_to_multiple), self.dp_size, self.cp_size, self.T,
+            self.cost_attention, self.microbatch_group,
+        )
+        mine = [
+            pack_microbatch([self.store[ids[p]] for p in mb], self.T, self.pad_to_multiple, self.store.pad_id)
+            for mb in plan.microbatches[self.dp_rank]
+        ]
+        return StepBatch(
+            step=step,
+            microbatches=mine,
+            num_microbatches=plan.num_microbatches,
+            trained_tokens=int(self.store.num_targets[ids].sum()),
+            real_tokens=int(lengths.sum()),
+            slot_tokens=self.dp_size * plan.num_microbatches * self.T,
+            doc_lengths=lengths.tolist(),
+            imbalance=plan.imbalance,
+        )
+
+
+class PackedRowSteps(_Steps):
+    """Offline-packed rows: G rows per step, G / dp consecutive rows per replica."""
+
+    def __init__(self, rows: PackedRows, *, cost_attention: float, **common):
+        super().__init__(**common)
+        self.rows, self.num_samples, self.cost_attention = rows, len(rows), cost_attention
+        if rows.T != self.T:
+            raise ValueError(
+                f"{rows.path}: rows were packed with T = {rows.T} tokens, but training.tokens_per_microbatch = "
+                f"{self.T}; repack with --tokens-per-microbatch {self.T} or set the config to {rows.T}"
+            )
+        if self.global_batch_size % self.dp_size:
+            raise ValueError(
+                f"training.global_batch_size = {self.global_batch_size} counts packed rows (one microbatch each) "
+                f"and must be a multiple of the data-parallel degree {self.dp_size}"
+            )
+
+    def __getitem__(self, step: int) -> StepBatch:
+        ids = self.sample_ids(step)
+        per = self.global_batch_size // self.dp_size
+        doc_lengths = [self.rows.doc_lengths(int(i)) for i in ids]
+        costs = np.array([
+            sample_costs(padded_lengths(d, self.rows.pad_to_multiple), self.cost_attention).sum() for d in doc_lengths
+        ])
+        replica = costs.reshape(self.dp_size, per).sum(axis=1)
+        mine = [
+            pack_microbatch(self.rows.samples(int(i)), self.T, self.rows.pad_to_multiple, self.rows.pad_id)
+            for i in ids[self.dp_rank * per : (self.dp_rank + 1) * per]
+        ]
+        all_docs = np.concatenate(doc_lengths)
+        return StepBatch(
+            step=step,
+            microbatches=mine,
+            num_microbatches=per,
+            trained_tokens=int(self.rows.num_targets[ids].sum()),
+            real_tokens=int(all_docs.sum()),
+            slot_tokens=self.global_batch_size * self.T,
+            doc_lengths=all_docs.tolist(),
+            imbalance=float(replica.max() / replica.mean()) if replica.mean() > 0 else 1.0,
+        )
+
+
+def _identity(x):
+    return x
+
+
+class THDDataLoader:
+    """Endless iterator of StepBatch (steps start_step, start_step + 1, ...) over a StatefulDataLoader."""
+
+    def __init__(self, steps: _Steps, num_workers: int, start_step: int = 0):
+        self.steps, self.num_workers = steps, num_workers
+        self._build(start_step)
+
+    def _build(self, start_step: int) -> None:
+        if start_step < 0:
+            raise ValueError(f"start_step must be >= 0, got {start_step}")
+        self.start_step = self.next_step = start_step
+        self._loader = StatefulDataLoader(
+            self.steps,
+            batch_size=None,
+            sampler=range(start_step, sys.maxsize),
+            num_workers=self.num_workers,
+            collate_fn=_identity,
+            prefetch_factor=2 if self.num_workers else None,
+        )
+        self._iter = None
+
+    def __iter__(self) -> THDDataLoader:
+        return self
+
+    def __next__(self) -> StepBatch:
+        if self._iter is None:
+            self._iter = iter(self._loader)
+        batch = next(self._iter)
+        assert batch.step == self.next_step, (batch.step, self.next_step)
+        self.next_step = batch.step + 1
+        return batch
+
+    def data_state(self) -> dict[str, int]:
+        """Layout-free resume point: the next step to yield, its epoch and cursor, the seed."""
+        s = self.steps
+        return sampler.data_state(self.next_step, s.global_batch_size, s.num_samples, s.seed)
+
+    def _layout(self) -> dict[str, int]:
+        return {"dp_rank": self.steps.dp_rank, "dp_size": self.steps.dp_size, "num_workers": self.num_workers}
+
+    def state_dict(self) -> dict:
+        return {
+            "data_state": self.data_state(),
+            "layout": self._layout(),
+            "start_step": self.start_step,
+            "loader": self._loader.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume; with another layout (DP degree, rank, workers) restart at the saved step instead."""
+        s = self.steps
+        step = sampler.step_from_state(state["data_state"], s.global_batch_size, s.num_samples, s.seed)
+        if state.get("layout") == self._layout() and "loader" in state:
+            self._build(int(state["start_step"]))
+            self._loader.load_state_dict(state["loader"])
+            self.next_step = step
+        else:
+            self._build(step)
+
+
+def build_dataloader(
+    data_cfg,
+    store,
+    *,
+    dp_rank: int,
+    dp_size: int,
+    cp_size: int,
+    tokens_per_microbatch: int,
+    global_batch_size: int,
+    seed: int,
+    planner: str,
+    cost_attention: float,
+    start_step: int = 0,
+    microbatch_group: int | None = None,
+) -> THDDataLoader:
+    """The loader of this DP replica. `store`: a TokenStore (may be None for `data.source = "packed"`,
+    whose rows are read from `data.path`). Overlong samples are truncated or dropped first
+    (`data.overlong`; the counts are on the returned loader's `steps.store`)."""
+    common = dict(
+        dp_rank=dp_rank, dp_size=dp_size, T=tokens_per_microbatch, global_batch_size=global_batch_size,
+        seed=seed, shuffle=data_cfg.shuffle,
+    )
+    if data_cfg.source == "packed":
+        steps = PackedRowSteps(open_packed(data_cfg.path, data_cfg.pad_to_multiple), cost_attention=cost_attention,
+                               **common)
+    else:
+        steps = PlannedSteps(
+            store.view(tokens_per_microbatch, data_cfg.overlong), pad_to_multiple=data_cfg.pad_to_multiple,
+            cp_size=cp_size, planner=planner, cost_attention=cost_attention, microbatch_group=microbatch_group,
+            **common,
+        )
+    return THDDataLoader(steps, data_cfg.num_workers, start_step)

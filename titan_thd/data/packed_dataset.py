@@ -1,0 +1,188 @@
+"""Offline packing (megatron_thd_spec.md section 7): documents -> rows of T tokens, in Parquet.
+
+Written by `scripts/prepare_packed_data.py`, read for `data.source = "packed"`. A pack is a folder:
+
+    rows.parquet   one row per microbatch, columns (every list holds the row's documents back to back,
+                   without padding):
+                     input_ids     list<int32>  token ids
+                     target_mask   list<bool>   True where the token is a trained target (the
+                                                Sample.target_mask convention: never a document's first)
+                     doc_lengths   list<int32>  real length of each document, in order
+                     sample_index  list<int64>  index of each document in the tokenised source
+    metadata.json  tokens_per_microbatch, pad_to_multiple, algorithm, seed, packing_efficiency,
+                   docs_per_row {mean, max}, max_doc_len, num_rows, num_docs, tokenizer, ...
+
+Rows are filled with padded lengths (each document rounded up to `pad_to_multiple`), so a row
+packs into exactly T tokens with the same padding at training time. Algorithms:
+`first_fit_decreasing` (longest first) and `first_fit_shuffle` (seeded random order); both put a
+document into the earliest row with room (a max segment tree, O(n log n)).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+from tqdm import tqdm
+
+from titan_thd.data.packer import padded_lengths
+from titan_thd.data.sources import resolve_data_path
+from titan_thd.data.token_store import Sample
+
+FORMAT = "titan_thd-packed-v1"
+ALGORITHMS = ("first_fit_decreasing", "first_fit_shuffle")
+ROWS_FILE, METADATA_FILE = "rows.parquet", "metadata.json"
+_ROWS_PER_GROUP = 512
+
+
+# ============================================================================ packing
+def first_fit(sizes: np.ndarray, capacity: int, order: np.ndarray) -> list[list[int]]:
+    """Visit items in `order`; each goes to the earliest bin whose free space holds it."""
+    if sizes.size and int(sizes.max()) > capacity:
+        raise ValueError(f"an item of size {int(sizes.max())} exceeds the bin capacity {capacity}")
+    leaves = 1 << max(1, (len(order) - 1).bit_length())
+    tree = [0] * leaves + [capacity] * len(order) + [0] * (leaves - len(order))  # max free per subtree
+    for node in range(leaves - 1, 0, -1):
+        tree[node] = max(tree[2 * node], tree[2 * node + 1])
+    bins: list[list[int]] = []
+    for i, size in zip(order.tolist(), sizes[order].tolist()):
+        node = 1
+        while node < leaves:  # leftmost leaf with room
+            node = 2 * node if tree[2 * node] >= size else 2 * node + 1
+        b = node - leaves
+        if b == len(bins):
+            bins.append([])
+        bins[b].append(i)
+        tree[node] -= size
+        node //= 2
+        while node:
+            tree[node] = max(tree[2 * node], tree[2 * node + 1])
+            node //= 2
+    return bins
+
+
+def pack_rows(lengths: np.ndarray, T: int, pad_to_multiple: int, algorithm: str, seed: int) -> list[list[int]]:
+    """Rows of sample indices whose padded lengths fit T (deterministic for a given seed)."""
+    sizes = padded_lengths(lengths, pad_to_multiple)
+    if algorithm == "first_fit_decreasing":
+        order = np.lexsort((np.arange(sizes.size), -sizes))
+    elif algorithm == "first_fit_shuffle":
+        order = np.random.default_rng(seed).permutation(sizes.size)
+    else:
+        raise ValueError(f"packing algorithm: got {algorithm!r}, expected one of {', '.join(ALGORITHMS)}")
+    return first_fit(sizes, T, order)
+
+
+def write_packed(out_dir: str | Path, store, rows: list[list[int]], metadata: dict, progress: bool = True) -> dict:
+    """Write `rows` of `store` samples to out_dir/rows.parquet and the metadata (with statistics) to
+    out_dir/metadata.json; returns the full metadata."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    T, mult = metadata["tokens_per_microbatch"], metadata["pad_to_multiple"]
+    schema = pa.schema([
+        ("input_ids", pa.list_(pa.int32())), ("target_mask", pa.list_(pa.bool_())),
+        ("doc_lengths", pa.list_(pa.int32())), ("sample_index", pa.list_(pa.int64())),
+    ])
+    with pq.ParquetWriter(out / ROWS_FILE, schema) as writer:
+        for start in tqdm(range(0, len(rows), _ROWS_PER_GROUP), desc="write rows", unit="group", disable=not progress):
+            group = rows[start : start + _ROWS_PER_GROUP]
+            docs = [i for row in group for i in row]
+            samples = [store[i] for i in docs]
+            doc_len = np.array([len(s.input_ids) for s in samples], dtype=np.int64)
+            row_docs = np.array([len(row) for row in group], dtype=np.int64)
+            doc_off = np.concatenate([[0], np.cumsum(row_docs)])
+            tok_off = np.concatenate([[0], np.cumsum(doc_len)])[doc_off]
+
+            def lists(values, offsets, typ):
+                return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(values, type=typ))
+
+            ids = np.concatenate([s.input_ids for s in samples]).astype(np.int32)
+            mask = np.concatenate([np.asarray(s.target_mask, dtype=bool) for s in samples])
+            writer.write_table(pa.table({
+                "input_ids": lists(ids, tok_off, pa.int32()),
+                "target_mask": lists(mask, tok_off, pa.bool_()),
+                "doc_lengths": lists(doc_len.astype(np.int32), doc_off, pa.int32()),
+                "sample_index": lists(np.array(docs, dtype=np.int64), doc_off, pa.int64()),
+            }, schema=schema))
+    lengths = store.lengths[np.concatenate([np.asarray(r, dtype=np.int64) for r in rows])] if rows else np.zeros(0)
+    per_row = np.array([len(r) for r in rows])
+    meta = {
+        "format": FORMAT,
+        **metadata,
+        "num_rows": len(rows),
+        "num_docs": int(per_row.sum()),
+        "packing_efficiency": float(lengths.sum() / (len(rows) * T)) if rows else 0.0,
+        "padded_efficiency": float(padded_lengths(lengths, mult).sum() / (len(rows) * T)) if rows else 0.0,
+        "docs_per_row": {"mean": float(per_row.mean()) if rows else 0.0, "max": int(per_row.max()) if rows else 0},
+        "max_doc_len": int(lengths.max()) if rows else 0,
+    }
+    (out / METADATA_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+    return meta
+
+
+# ============================================================================ reading
+def _flat(column: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
+    """(values, int64 offsets [rows + 1]) of a list column, across its chunks."""
+    values, offsets, base = [], [np.zeros(1, np.int64)], 0
+    for chunk in column.chunks:
+        off = chunk.offsets.to_numpy().astype(np.int64)
+        values.append(chunk.values.slice(int(off[0]), int(off[-1] - off[0])).to_numpy(zero_copy_only=False))
+        offsets.append(off[1:] - off[0] + base)
+        base += int(off[-1] - off[0])
+    return (np.concatenate(values) if values else np.zeros(0)), np.concatenate(offsets)
+
+
+class PackedRows:
+    """The rows of one pack, in memory; `samples(i)` are row i's documents."""
+
+    def __init__(self, folder: Path, metadata: dict, table: pa.Table):
+        self.path, self.metadata = folder, metadata
+        self.T = int(metadata["tokens_per_microbatch"])
+        self.pad_to_multiple = int(metadata["pad_to_multiple"])
+        self.pad_id, self.vocab_size = int(metadata["pad_id"]), int(metadata["vocab_size"])
+        self._ids, self._tok_off = _flat(table.column("input_ids"))
+        self._mask, _ = _flat(table.column("target_mask"))
+        self._doc_len, self._doc_off = _flat(table.column("doc_lengths"))
+        self._doc_len = self._doc_len.astype(np.int64)
+        self._mask = self._mask.astype(bool)
+        cum = np.concatenate([[0], np.cumsum(self._mask, dtype=np.int64)])
+        self.num_targets = cum[self._tok_off[1:]] - cum[self._tok_off[:-1]]
+        """[rows] int64 trained targets per row."""
+
+    def __len__(self) -> int:
+        return self._tok_off.size - 1
+
+    def doc_lengths(self, i: int) -> np.ndarray:
+        return self._doc_len[self._doc_off[i] : self._doc_off[i + 1]]
+
+    def samples(self, i: int) -> list[Sample]:
+        a = int(self._tok_off[i])
+        out = []
+        for length in self.doc_lengths(i).tolist():
+            out.append(Sample(self._ids[a : a + length].astype(np.int32), self._mask[a : a + length].copy()))
+            a += length
+        return out
+
+
+def open_packed(path: str | Path, pad_to_multiple: int = 1) -> PackedRows:
+    """Read a pack folder (or its rows.parquet); `pad_to_multiple` is `data.pad_to_multiple`, which the
+    pack's own padding must be a multiple of (zigzag CP relies on it)."""
+    folder = resolve_data_path(path)
+    if folder.is_file():
+        folder = folder.parent
+    meta_path, rows_path = folder / METADATA_FILE, folder / ROWS_FILE
+    if not meta_path.is_file() or not rows_path.is_file():
+        raise ValueError(f"data.path = {path}: expected a folder with {ROWS_FILE} and {METADATA_FILE} "
+                         "(written by scripts/prepare_packed_data.py)")
+    metadata = json.loads(meta_path.read_text())
+    if metadata.get("format") != FORMAT:
+        raise ValueError(f"{meta_path}: format {metadata.get('format')!r}, expected {FORMAT!r}")
+    if int(metadata["pad_to_multiple"]) % pad_to_multiple:
+        raise ValueError(
+            f"{meta_path}: documents were padded to a multiple of {metadata['pad_to_multiple']}, which is not a "
+            f"multiple of data.pad_to_multiple = {pad_to_multiple}; repack with --pad-to-multiple {pad_to_multiple}"
+        )
+    return PackedRows(folder, metadata, pq.read_table(rows_path))
