@@ -24,6 +24,12 @@ config=""
 args=()
 while (($#)); do
   case "$1" in
+    -h | --help)
+      awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"
+      echo
+      "$ROOT/scripts/setup_env.sh"
+      exec "${TITAN_THD_VENV:-$ROOT/.venv}/bin/python" -m titan_thd.config --help
+      ;;
     --config)
       if (($# < 2)); then echo "error: --config needs a value" >&2; available; exit 2; fi
       config="$2"
@@ -59,6 +65,8 @@ fi
 VENV="${TITAN_THD_VENV:-$ROOT/.venv}"
 NGPU="${NGPU:-1}"
 LOG_RANK="${LOG_RANK:-0}"
+# Config errors surface here in a fraction of a second, without torchrun's failure report.
+"$VENV/bin/python" -m titan_thd.config --job.config_file "$config_file" "${args[@]}" >/dev/null
 
 if [[ -n "${COMM_MODE:-}" ]]; then
   # No torchrun: one process plays rank 0 of an NGPU-rank world.

@@ -507,3 +507,24 @@ def as_dict(cfg: Config) -> dict[str, dict[str, Any]]:
     return dataclasses.asdict(cfg)
 
 
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m titan_thd.config [--job.config_file X.toml] [--section.field value ...]`: check a
+    configuration without starting anything and print it merged, as TOML (run_train.sh runs this
+    before torchrun, so a typo costs no process launch)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--help" in argv or "-h" in argv:
+        print(help_text())
+        return 0
+    try:
+        cfg = load_config(argv)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(to_toml(cfg))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""Trainer: loss normalisation against an independent float64 reference, and early user errors."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from titan_thd.config import load_config
+from titan_thd.data.packed_batch import IGNORE_INDEX
+from titan_thd.models.batch_meta import BatchMeta
+from titan_thd.train import Trainer, attention_cost_weight
+
+
+def _cfg(tmp_path, *extra):
+    return load_config([
+        "--data.source", "jsonl", "--data.path", "chat_sft.jsonl.gz", "--training.global_batch_size", "8",
+        "--training.tokens_per_microbatch", "512", "--training.steps", "2", "--metrics.enable_tensorboard", "false",
+        "--job.dump_folder", str(tmp_path), *extra,
+    ])
+
+
+@pytest.fixture(scope="module")
+def trainer(tmp_path_factory):
+    t = Trainer(_cfg(tmp_path_factory.mktemp("run")))
+    yield t
+    t.close()
+
+
+@pytest.mark.slow
+def test_loss_is_global_token_mean_over_microbatches(trainer):
+    """Sum over microbatches of CE_sum / N (N from the step batch) == the plain token mean (float64)."""
+    model = trainer.model.double()
+    step_batch = next(trainer.dataloader)
+    assert step_batch.num_microbatches >= 2  # otherwise the test would not test accumulation
+    trained = sum(int(((mb.labels != IGNORE_INDEX) & mb.loss_mask).sum()) for mb in step_batch.microbatches)
+    assert step_batch.trained_tokens == trained < step_batch.real_tokens  # chat: prompts are not trained
+
+    model.zero_grad()
+    ce_sums = [trainer.forward_backward(mb, step_batch.trained_tokens)[0] for mb in step_batch.microbatches]
+    loss = float(sum(ce_sums)) / step_batch.trained_tokens
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    # Reference: one graph over every trained token of the step, plain mean.
+    model.zero_grad()
+    per_token = []
+    for mb in step_batch.microbatches:
+        logits = model(mb.tokens, BatchMeta.from_batch(mb)).logits
+        keep = (mb.labels != IGNORE_INDEX) & mb.loss_mask
+        per_token.append(F.cross_entropy(logits[keep], mb.labels[keep], reduction="none"))
+    ref = torch.cat(per_token).mean()
+    ref.backward()
+    assert loss == pytest.approx(ref.item(), rel=1e-12)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, rtol=1e-9, atol=1e-12, msg=n)
+    model.float()
+
+
+def test_vocab_rounded_and_train_step_runs(trainer):
+    assert trainer.model_args.vocab_size % 64 == 0
+    assert trainer.model_args.vocab_size >= trainer.tokenizer.vocab_size
+    out = trainer.train_step(next(trainer.dataloader))
+    assert set(out) >= {"loss", "grad_norm", "lr"}
+    assert 0 < out["loss"] < 10 and out["grad_norm"] > 0
+
+
+def test_attention_cost_weight_reads_the_flops_formula(trainer):
+    """flops(L) = a (L + b L^2) for one document: b is the planner's weight of sum(len^2)."""
+    spec, args = trainer.spec, trainer.model_args
+    b = attention_cost_weight(spec, args)
+    f1 = spec.flops_per_step(args, [1])
+    for L in (100, 3000):
+        assert spec.flops_per_step(args, [L]) == pytest.approx(f1 * (L + b * L * L) / (1 + b), rel=1e-9)
+
+
+@pytest.mark.parametrize(
+    "world, overrides, message",
+    [
+        ("2", ["--parallelism.tensor_parallel_degree", "2"], r"tensor parallelism is not implemented yet"),
+        ("2", ["--parallelism.pipeline_parallel_degree", "2"], r"pipeline parallelism is not implemented yet"),
+        ("1", ["--parallelism.data_parallel_shard_degree", "2"], r"multiply to 2 .* the world has 1 processes"),
+        ("2", ["--parallelism.data_parallel_shard_degree", "1"], r"multiply to 1 .* the world has 2 processes"),
+        (
+            "2",
+            ["--parallelism.context_parallel_degree", "2", "--parallelism.context_parallel_mode", "contiguous"],
+            r"context_parallel_mode = contiguous: model llama computes only zigzag exactly",
+        ),
+        ("1", ["--model.flavor", "huge"], r"model.flavor: got 'huge' for llama, expected one of debug, bench"),
+    ],
+)
+def test_user_errors_before_any_process_group(tmp_path, monkeypatch, world, overrides, message):
+    monkeypatch.setenv("WORLD_SIZE", world)
+    with pytest.raises(ValueError, match=message):
+        Trainer(_cfg(tmp_path, *overrides))
+    assert not torch.distributed.is_initialized()
