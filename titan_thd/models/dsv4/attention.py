@@ -80,7 +80,7 @@ class Attention(nn.Module):
         o_TGO = torch.einsum("tgi,goi->tgo", o_THD.reshape(T, G, -1), wo_a_GOI)
         out_TD = self.wo_b(o_TGO.flatten(1))
 
-        if self.indexer is None or not with_kl:
+        if self.indexer is None or not with_kl or comp_CD.shape[0] == 0:
             return out_TD, None
         cand_TK = entries_TE if self.kl_mode == "sparse" else cplan.visible()
         student_TK = self.indexer.scores(q_I, w_I, k_I, cand_TK)

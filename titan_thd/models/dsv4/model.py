@@ -53,7 +53,7 @@ class DSv4Model(nn.Module):
         plan = get_plan(meta, args, self.embed.weight.dtype)
         with_kl = self.training and args.indexer_loss_coeff > 0
         h_TND = self.embed(tokens_T)[:, None, :].expand(-1, args.hc_mult, -1)
-        kl_sum = torch.zeros((), device=tokens_T.device)
+        kl_sum = torch.zeros((), dtype=torch.promote_types(h_TND.dtype, torch.float32), device=tokens_T.device)
         for layer in self.layers.values():
             h_TND, kl = layer(h_TND, tokens_T, plan, with_kl)
             if kl is not None:
@@ -71,7 +71,8 @@ class DSv4Model(nn.Module):
         next_T, target_T, trained_T = mtp_inputs_targets(meta.labels_full, meta.loss_mask_full, plan.doc_T)
         x_TD = self.mtp[0](h_TND, self.embed(next_T), next_T, plan)
         logits_rV = self.head(x_TD[trained_T])
-        return F.cross_entropy(logits_rV.float(), target_T[trained_T], reduction="sum")
+        acc = torch.promote_types(logits_rV.dtype, torch.float32)
+        return F.cross_entropy(logits_rV.to(acc), target_T[trained_T], reduction="sum")
 
     @torch.no_grad()
     def init_weights(self) -> None:
