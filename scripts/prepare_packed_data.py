@@ -30,30 +30,43 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from titan_thd.config import Config, load_config  # noqa: E402
-from titan_thd.data.packed_dataset import ALGORITHMS, pack_rows, write_packed  # noqa: E402
-from titan_thd.data.token_store import build_token_store  # noqa: E402
-from titan_thd.data.tokenizer import build_tokenizer  # noqa: E402
+from titan_thd.config import Config, load_config
+from titan_thd.data.packed_dataset import ALGORITHMS, pack_rows, write_packed
+from titan_thd.data.token_store import build_token_store
+from titan_thd.data.tokenizer import build_tokenizer
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], epilog=__doc__.split("Examples:")[1],
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("Examples:")[1],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--output", required=True, help="output folder (rows.parquet, metadata.json)")
-    p.add_argument("--config", help="training TOML whose [data] section, tokens_per_microbatch and seed are the defaults")
+    p.add_argument(
+        "--config", help="training TOML whose [data] section, tokens_per_microbatch and seed are the defaults"
+    )
     p.add_argument("--source", choices=("mock", "jsonl", "parquet"), help="data.source")
     p.add_argument("--path", help="data.path (jsonl / parquet file)")
     p.add_argument("--format", help="data.format: auto, messages, sharegpt, alpaca or text")
     p.add_argument("--tokenizer", help="data.tokenizer: byte or a path to tokenizer.json")
-    p.add_argument("--mock-config", type=json.loads, help='data.mock_config as JSON, e.g. \'{"mode": "file", "path": "l.csv"}\'')
+    p.add_argument(
+        "--mock-config",
+        type=json.loads,
+        help='data.mock_config as JSON, e.g. \'{"mode": "file", "path": "l.csv"}\'',
+    )
     p.add_argument("--num-samples", type=int, help="data.num_samples (mock source)")
-    p.add_argument("--tokens-per-microbatch", type=int, help="T: tokens per packed row (default: the config's)")
-    p.add_argument("--pad-to-multiple", type=int, help="pad every document to a multiple of this (zigzag CP: 2*cp)")
+    p.add_argument(
+        "--tokens-per-microbatch", type=int, help="T: tokens per packed row (default: the config's)"
+    )
+    p.add_argument(
+        "--pad-to-multiple", type=int, help="pad every document to a multiple of this (zigzag CP: 2*cp)"
+    )
     p.add_argument("--overlong", choices=("truncate", "drop"), help="documents longer than T")
     p.add_argument("--algorithm", choices=ALGORITHMS, default="first_fit_decreasing")
-    p.add_argument("--seed", type=int, help="seed of the mock data and of first_fit_shuffle (default: the config's)")
+    p.add_argument(
+        "--seed", type=int, help="seed of the mock data and of first_fit_shuffle (default: the config's)"
+    )
     p.add_argument("--cache-dir", default="", help="token cache folder (empty: keep in memory)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     return p.parse_args(argv)
@@ -63,30 +76,54 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     cfg = load_config(["--job.config_file", args.config]) if args.config else Config()
     data = cfg.data
-    for field in ("source", "path", "format", "tokenizer", "mock_config", "num_samples", "pad_to_multiple", "overlong"):
+    for field in (
+        "source",
+        "path",
+        "format",
+        "tokenizer",
+        "mock_config",
+        "num_samples",
+        "pad_to_multiple",
+        "overlong",
+    ):
         if getattr(args, field) is not None:
             setattr(data, field, getattr(args, field))
     T = args.tokens_per_microbatch or cfg.training.tokens_per_microbatch
     seed = cfg.training.seed if args.seed is None else args.seed
     if T % data.pad_to_multiple:
-        raise ValueError(f"--tokens-per-microbatch {T} is not a multiple of --pad-to-multiple {data.pad_to_multiple}")
+        raise ValueError(
+            f"--tokens-per-microbatch {T} is not a multiple of --pad-to-multiple {data.pad_to_multiple}"
+        )
 
     start = time.perf_counter()
     tokenizer = build_tokenizer(data.tokenizer)
-    store = build_token_store(data, tokenizer, seed, args.cache_dir, progress=not args.no_progress).view(T, data.overlong)
+    store = build_token_store(data, tokenizer, seed, args.cache_dir, progress=not args.no_progress).view(
+        T, data.overlong
+    )
     rows = pack_rows(store.lengths, T, data.pad_to_multiple, args.algorithm, seed)
-    meta = write_packed(args.output, store, rows, {
-        "tokens_per_microbatch": T,
-        "pad_to_multiple": data.pad_to_multiple,
-        "algorithm": args.algorithm,
-        "seed": seed,
-        "tokenizer": data.tokenizer,
-        "vocab_size": tokenizer.vocab_size,
-        "pad_id": tokenizer.pad_id,
-        "source": {"source": data.source, "path": data.path, "format": data.format, "num_samples": len(store)},
-        "num_truncated": store.num_truncated,
-        "num_dropped": store.num_dropped,
-    }, progress=not args.no_progress)
+    meta = write_packed(
+        args.output,
+        store,
+        rows,
+        {
+            "tokens_per_microbatch": T,
+            "pad_to_multiple": data.pad_to_multiple,
+            "algorithm": args.algorithm,
+            "seed": seed,
+            "tokenizer": data.tokenizer,
+            "vocab_size": tokenizer.vocab_size,
+            "pad_id": tokenizer.pad_id,
+            "source": {
+                "source": data.source,
+                "path": data.path,
+                "format": data.format,
+                "num_samples": len(store),
+            },
+            "num_truncated": store.num_truncated,
+            "num_dropped": store.num_dropped,
+        },
+        progress=not args.no_progress,
+    )
     print(
         f"packed {meta['num_docs']} documents into {meta['num_rows']} rows of {T} tokens with {args.algorithm}: "
         f"efficiency {meta['packing_efficiency']:.4f} (real tokens / slots), docs per row mean "

@@ -1,6 +1,7 @@
 """CP split tests: worked vectors of megatron_thd_spec.md sections 3.1 / 3.2 and a per-document
 reference loop for zigzag."""
 
+import itertools
 from dataclasses import replace
 
 import numpy as np
@@ -24,7 +25,7 @@ def batch_of(lengths, T, mult, seed=0):
 
 def naive_zigzag(cup, cp, rank):
     rows = []
-    for a, b in zip(cup[:-1], cup[1:]):
+    for a, b in itertools.pairwise(cup):
         c = (b - a) // (2 * cp)
         rows += list(range(a + rank * c, a + (rank + 1) * c))
         rows += list(range(a + (2 * cp - 1 - rank) * c, a + (2 * cp - rank) * c))
@@ -69,7 +70,9 @@ def test_zigzag_partition_of_section_2_5_layout():
         for f in ("tokens", "labels", "loss_mask", "position_ids"):
             assert torch.equal(getattr(p, f), getattr(b, f)[p.row_index])
         # Metadata stays global.
-        assert torch.equal(p.cu_seqlens, b.cu_seqlens) and torch.equal(p.cu_seqlens_padded, b.cu_seqlens_padded)
+        assert torch.equal(p.cu_seqlens, b.cu_seqlens) and torch.equal(
+            p.cu_seqlens_padded, b.cu_seqlens_padded
+        )
         assert (p.max_seqlen, p.num_docs) == (b.max_seqlen, b.num_docs)
         p.validate()
     # Real tokens per rank differ (6 vs 11): tail padding lands in the last chunk, on rank 0.
@@ -79,7 +82,9 @@ def test_zigzag_partition_of_section_2_5_layout():
 def test_contiguous_partition():
     b = batch_of([5, 9, 3], T=24, mult=4)
     parts = [partition(b, 2, r, "contiguous") for r in range(2)]
-    assert parts[0].row_index.tolist() == list(range(12)) and parts[1].row_index.tolist() == list(range(12, 24))
+    assert parts[0].row_index.tolist() == list(range(12)) and parts[1].row_index.tolist() == list(
+        range(12, 24)
+    )
     assert torch.equal(torch.cat([p.tokens for p in parts]), b.tokens)
     assert all(p.cu_seqlens_padded.tolist() == [0, 8, 20, 24] for p in parts)
 

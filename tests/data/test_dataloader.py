@@ -23,7 +23,9 @@ def make_store(lengths, seed=0):
     offsets = np.concatenate([[0], np.cumsum(lengths)])
     mask[offsets[:-1]] = False
     num_targets = np.add.reduceat(mask, offsets[:-1]).astype(np.int64)
-    return ArrayTokenStore({"ids": ids, "target_mask": mask, "offsets": offsets, "num_targets": num_targets}, 500, 0)
+    return ArrayTokenStore(
+        {"ids": ids, "target_mask": mask, "offsets": offsets, "num_targets": num_targets}, 500, 0
+    )
 
 
 STORE = make_store(np.random.default_rng(0).integers(4, 120, 50))
@@ -32,8 +34,17 @@ STORE = make_store(np.random.default_rng(0).integers(4, 120, 50))
 def loader(dp_rank=0, dp_size=2, num_workers=0, start_step=0, store=STORE, **data):
     cfg = Data(pad_to_multiple=4, num_workers=num_workers, **data)
     return build_dataloader(
-        cfg, store, dp_rank=dp_rank, dp_size=dp_size, cp_size=2, tokens_per_microbatch=T, global_batch_size=G,
-        seed=SEED, planner="balanced", cost_attention=1e-3, start_step=start_step,
+        cfg,
+        store,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        cp_size=2,
+        tokens_per_microbatch=T,
+        global_batch_size=G,
+        seed=SEED,
+        planner="balanced",
+        cost_attention=1e-3,
+        start_step=start_step,
     )
 
 
@@ -43,7 +54,12 @@ def documents(batch):
     for mb in batch.microbatches:
         for start, n in zip(mb.cu_seqlens_padded[:-1].tolist(), mb.seqlens.tolist()):
             if n:
-                docs[(tuple(mb.tokens[start : start + n].tolist()), tuple(mb.loss_mask[start : start + n].tolist()))] += 1
+                docs[
+                    (
+                        tuple(mb.tokens[start : start + n].tolist()),
+                        tuple(mb.loss_mask[start : start + n].tolist()),
+                    )
+                ] += 1
     return docs
 
 
@@ -58,7 +74,11 @@ def store_documents(store, ids):
 def same_batch(a, b):
     assert a.step == b.step and a.num_microbatches == b.num_microbatches
     assert (a.trained_tokens, a.real_tokens, a.slot_tokens, a.doc_lengths) == (
-        b.trained_tokens, b.real_tokens, b.slot_tokens, b.doc_lengths)
+        b.trained_tokens,
+        b.real_tokens,
+        b.slot_tokens,
+        b.doc_lengths,
+    )
     for x, y in zip(a.microbatches, b.microbatches, strict=True):
         for f in ("tokens", "labels", "loss_mask", "position_ids", "cu_seqlens", "cu_seqlens_padded"):
             assert torch.equal(getattr(x, f), getattr(y, f)), f
@@ -117,18 +137,28 @@ def test_other_dp_degree_resumes_from_the_layout_free_state():
 def test_overlong_samples_are_truncated_or_dropped():
     store = make_store([10, 300, 20, 40])
     trunc = loader(store=store, dp_size=1, overlong="truncate")
-    assert trunc.steps.store.num_truncated == 1 and max(trunc.steps.store.lengths) == T
+    assert trunc.overlong_counts == {"truncated": 1, "dropped": 0} and max(trunc.steps.store.lengths) == T
     batch = next(trunc)
     assert max(batch.doc_lengths) <= T
     drop = loader(store=store, dp_size=1, overlong="drop")
-    assert drop.steps.store.num_dropped == 1 and len(drop.steps.store) == 3
+    assert drop.overlong_counts == {"truncated": 0, "dropped": 1} and len(drop.steps.store) == 3
     assert 300 not in next(drop).doc_lengths
 
 
 def test_dp_balanced_planner_and_bad_rank():
     cfg = Data(pad_to_multiple=4)
-    ld = build_dataloader(cfg, STORE, dp_rank=1, dp_size=2, cp_size=1, tokens_per_microbatch=T, global_batch_size=G,
-                          seed=SEED, planner="dp_balanced", cost_attention=0.0)
+    ld = build_dataloader(
+        cfg,
+        STORE,
+        dp_rank=1,
+        dp_size=2,
+        cp_size=1,
+        tokens_per_microbatch=T,
+        global_batch_size=G,
+        seed=SEED,
+        planner="dp_balanced",
+        cost_attention=0.0,
+    )
     assert next(ld).num_microbatches >= 1
     with pytest.raises(ValueError, match="dp_rank 2 is outside 0..1"):
         loader(dp_rank=2)

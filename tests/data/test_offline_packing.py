@@ -23,7 +23,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("prepare_packed_data", ROOT / "scripts" / "prepare_packed_data.py")
+    spec = importlib.util.spec_from_file_location(
+        "prepare_packed_data", ROOT / "scripts" / "prepare_packed_data.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -37,13 +39,33 @@ def source(tmp_path_factory):
         for i in range(80):
             q = "q" * int(rng.integers(1, 60))
             a = f"answer {i} " + "a" * int(rng.integers(1, 150 if i else 400))  # record 0 is longer than T
-            f.write(json.dumps({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}) + "\n")
+            f.write(
+                json.dumps(
+                    {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
+                )
+                + "\n"
+            )
     return path
 
 
 def pack(source, out, algorithm="first_fit_decreasing", seed=0):
-    args = ["--source", "jsonl", "--path", str(source), "--tokens-per-microbatch", str(T), "--pad-to-multiple",
-            str(MULT), "--algorithm", algorithm, "--seed", str(seed), "--output", str(out), "--no-progress"]
+    args = [
+        "--source",
+        "jsonl",
+        "--path",
+        str(source),
+        "--tokens-per-microbatch",
+        str(T),
+        "--pad-to-multiple",
+        str(MULT),
+        "--algorithm",
+        algorithm,
+        "--seed",
+        str(seed),
+        "--output",
+        str(out),
+        "--no-progress",
+    ]
     return load_script().main(args)
 
 
@@ -81,7 +103,9 @@ def test_deterministic_and_seeded(source, tmp_path):
         tables[name] = pq.read_table(tmp_path / name / "rows.parquet").to_pydict()
     assert tables["a"] == tables["b"]
     assert tables["a"]["sample_index"] != tables["c"]["sample_index"]
-    assert sorted(sum(tables["a"]["sample_index"], [])) == sorted(sum(tables["c"]["sample_index"], []))
+    assert sorted([i for row in tables["a"]["sample_index"] for i in row]) == sorted(
+        [i for row in tables["c"]["sample_index"] for i in row]
+    )
 
 
 def naive_first_fit(sizes, capacity, order):
@@ -110,8 +134,18 @@ def test_first_fit_matches_naive(seed):
 
 def packed_loader(path, dp_rank=0, dp_size=2, G=4, T_cfg=T, pad=MULT):
     cfg = Data(source="packed", path=str(path), pad_to_multiple=pad)
-    return build_dataloader(cfg, None, dp_rank=dp_rank, dp_size=dp_size, cp_size=1, tokens_per_microbatch=T_cfg,
-                            global_batch_size=G, seed=1, planner="balanced", cost_attention=0.0)
+    return build_dataloader(
+        cfg,
+        None,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        cp_size=1,
+        tokens_per_microbatch=T_cfg,
+        global_batch_size=G,
+        seed=1,
+        planner="balanced",
+        cost_attention=0.0,
+    )
 
 
 def test_packed_step_stream(source, tmp_path):
@@ -119,6 +153,7 @@ def test_packed_step_stream(source, tmp_path):
     rows = open_packed(tmp_path / "p")
     table = pq.read_table(tmp_path / "p" / "rows.parquet").to_pydict()
     loaders = [packed_loader(tmp_path / "p", dp_rank=r) for r in range(2)]
+    assert loaders[0].overlong_counts == {"truncated": 1, "dropped": 0}
     for step in range(3):
         ids = global_batch_indices(step, 4, len(rows), 1)
         batches = [next(ld) for ld in loaders]
@@ -128,17 +163,23 @@ def test_packed_step_stream(source, tmp_path):
                 mb.validate(divisor=MULT)
                 assert mb.seqlens[mb.seqlens > 0].tolist() == rows.doc_lengths(int(row)).tolist()
                 assert mb.tokens[mb.real_token_mask()].tolist() == table["input_ids"][row]
-        assert batches[0].trained_tokens == sum(int(mb.loss_mask.sum()) for b in batches for mb in b.microbatches)
-        assert Counter(batches[0].doc_lengths) == Counter(sum((table["doc_lengths"][i] for i in ids), []))
+        assert batches[0].trained_tokens == sum(
+            int(mb.loss_mask.sum()) for b in batches for mb in b.microbatches
+        )
+        assert Counter(batches[0].doc_lengths) == Counter(n for i in ids for n in table["doc_lengths"][i])
 
 
 def test_packed_source_errors(source, tmp_path):
     pack(source, tmp_path / "p")
-    with pytest.raises(ValueError, match=r"packed with T = 256 tokens, but training.tokens_per_microbatch = 512"):
+    with pytest.raises(
+        ValueError, match=r"packed with T = 256 tokens, but training.tokens_per_microbatch = 512"
+    ):
         packed_loader(tmp_path / "p", T_cfg=512)
     with pytest.raises(ValueError, match=r"global_batch_size = 5 counts packed rows .* multiple of .* 2"):
         packed_loader(tmp_path / "p", G=5)
-    with pytest.raises(ValueError, match=r"padded to a multiple of 4, which is not a multiple of data.pad_to_multiple = 8"):
+    with pytest.raises(
+        ValueError, match=r"padded to a multiple of 4, which is not a multiple of data.pad_to_multiple = 8"
+    ):
         packed_loader(tmp_path / "p", pad=8)
     with pytest.raises(ValueError, match="rows.parquet and metadata.json"):
         packed_loader(tmp_path)

@@ -50,7 +50,11 @@ def naive_pack(samples, T, mult, pad_id):
 
 
 def test_worked_layout_section_2_5():
-    docs = [sample(np.arange(1, 6), [0, 1, 1, 1, 1]), sample(np.arange(10, 19), [0] + [1] * 8), sample([7, 8, 9], [0, 0, 1])]
+    docs = [
+        sample(np.arange(1, 6), [0, 1, 1, 1, 1]),
+        sample(np.arange(10, 19), [0] + [1] * 8),
+        sample([7, 8, 9], [0, 0, 1]),
+    ]
     b = pack_microbatch(docs, T=24, pad_to_multiple=4, pad_id=0)
     assert b.cu_seqlens.tolist() == [0, 5, 14, 17]
     assert b.cu_seqlens_padded.tolist() == [0, 8, 20, 24]
@@ -122,7 +126,9 @@ def test_empty_microbatch_is_one_padding_document():
 
 def test_errors():
     rng = np.random.default_rng(2)
-    with pytest.raises(ValueError, match=r"take 24 tokens after padding to a multiple of 8, more than T = 16"):
+    with pytest.raises(
+        ValueError, match=r"take 24 tokens after padding to a multiple of 8, more than T = 16"
+    ):
         pack_microbatch(random_samples(rng, [9, 5]), T=16, pad_to_multiple=8, pad_id=0)
     with pytest.raises(ValueError, match="multiple of data.pad_to_multiple"):
         pack_microbatch([], T=10, pad_to_multiple=4, pad_id=0)

@@ -8,7 +8,9 @@ def test_steps_tile_the_concatenated_epochs():
     n, G, seed = 10, 4, 3
     stream = np.concatenate([epoch_order(n, seed, e, True) for e in range(3)])
     for step in range(7):  # step 2 crosses epoch 0 -> 1, step 4 crosses 1 -> 2
-        np.testing.assert_array_equal(global_batch_indices(step, G, n, seed), stream[step * G : (step + 1) * G])
+        np.testing.assert_array_equal(
+            global_batch_indices(step, G, n, seed), stream[step * G : (step + 1) * G]
+        )
 
 
 def test_epochs_are_distinct_permutations_and_seeded():

@@ -43,7 +43,9 @@ def zigzag_indices(cu_seqlens_padded: torch.Tensor, cp_size: int, cp_rank: int) 
         )
     chunk_N = len_N // (2 * cp_size)
     # Two chunks per document: chunk r, then chunk 2cp-1-r.
-    start_C = torch.stack([cup_N1[:-1] + cp_rank * chunk_N, cup_N1[:-1] + (2 * cp_size - 1 - cp_rank) * chunk_N], 1)
+    start_C = torch.stack(
+        [cup_N1[:-1] + cp_rank * chunk_N, cup_N1[:-1] + (2 * cp_size - 1 - cp_rank) * chunk_N], 1
+    )
     start_C, size_C = start_C.reshape(-1), chunk_N.repeat_interleave(2)
     local_start_C = torch.cumsum(size_C, 0) - size_C
     t = int(size_C.sum())
@@ -53,7 +55,9 @@ def zigzag_indices(cu_seqlens_padded: torch.Tensor, cp_size: int, cp_rank: int) 
 def partition(batch: PackedBatch, cp_size: int, cp_rank: int, mode: str) -> PackedBatch:
     """This CP rank's share of `batch`; the batch itself when cp_size == 1 or it holds no tokens."""
     if mode not in MODES:
-        raise ValueError(f"parallelism.context_parallel_mode: got {mode!r}, expected one of {', '.join(MODES)}")
+        raise ValueError(
+            f"parallelism.context_parallel_mode: got {mode!r}, expected one of {', '.join(MODES)}"
+        )
     if not 0 <= cp_rank < cp_size:
         raise ValueError(f"cp_rank {cp_rank} is outside 0..{cp_size - 1}")
     if cp_size == 1 or all(getattr(batch, f) is None for f in TOKEN_FIELDS):
@@ -71,5 +75,7 @@ def partition(batch: PackedBatch, cp_size: int, cp_rank: int, mode: str) -> Pack
             )
         local = T // cp_size
         rows_t = torch.arange(cp_rank * local, (cp_rank + 1) * local)
-    local_tensors = {f: (getattr(batch, f)[rows_t] if getattr(batch, f) is not None else None) for f in TOKEN_FIELDS}
+    local_tensors = {
+        f: (getattr(batch, f)[rows_t] if getattr(batch, f) is not None else None) for f in TOKEN_FIELDS
+    }
     return replace(batch, **local_tensors, row_index=rows_t)

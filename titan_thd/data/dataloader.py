@@ -55,24 +55,40 @@ class _Steps(torch.utils.data.Dataset):
     """Step index -> StepBatch; the parts shared by both sources."""
 
     num_samples: int
+    overlong_counts: dict[str, int]
+    """Samples truncated / dropped for being longer than T (data.overlong; offline packs: at pack time)."""
 
-    def __init__(self, *, dp_rank: int, dp_size: int, T: int, global_batch_size: int, seed: int, shuffle: bool):
+    def __init__(
+        self, *, dp_rank: int, dp_size: int, T: int, global_batch_size: int, seed: int, shuffle: bool
+    ):
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank {dp_rank} is outside 0..{dp_size - 1}")
         self.dp_rank, self.dp_size, self.T = dp_rank, dp_size, T
         self.global_batch_size, self.seed, self.shuffle = global_batch_size, seed, shuffle
 
     def sample_ids(self, step: int) -> np.ndarray:
-        return sampler.global_batch_indices(step, self.global_batch_size, self.num_samples, self.seed, self.shuffle)
+        return sampler.global_batch_indices(
+            step, self.global_batch_size, self.num_samples, self.seed, self.shuffle
+        )
 
 
 class PlannedSteps(_Steps):
     """Samples of a TokenStore planned into microbatches every step."""
 
-    def __init__(self, store, *, pad_to_multiple: int, cp_size: int, planner: str, cost_attention: float,
-                 microbatch_group: int | None = None, **common):
+    def __init__(
+        self,
+        store,
+        *,
+        pad_to_multiple: int,
+        cp_size: int,
+        planner: str,
+        cost_attention: float,
+        microbatch_group: int | None = None,
+        **common,
+    ):
         super().__init__(**common)
         self.store, self.num_samples = store, len(store)
+        self.overlong_counts = {"truncated": store.num_truncated, "dropped": store.num_dropped}
         self.pad_to_multiple, self.cp_size = pad_to_multiple, cp_size
         self.planner, self.cost_attention, self.microbatch_group = planner, cost_attention, microbatch_group
 
@@ -80,8 +96,13 @@ class PlannedSteps(_Steps):
         ids = self.sample_ids(step)
         lengths = self.store.lengths[ids]
         plan = make_plan(
-            self.planner, padded_lengths(lengths, self.pad_to_multiple), self.dp_size, self.cp_size, self.T,
-            self.cost_attention, self.microbatch_group,
+            self.planner,
+            padded_lengths(lengths, self.pad_to_multiple),
+            self.dp_size,
+            self.cp_size,
+            self.T,
+            self.cost_attention,
+            self.microbatch_group,
         )
         mine = [
             pack_microbatch([self.store[ids[p]] for p in mb], self.T, self.pad_to_multiple, self.store.pad_id)
@@ -105,6 +126,7 @@ class PackedRowSteps(_Steps):
     def __init__(self, rows: PackedRows, *, cost_attention: float, **common):
         super().__init__(**common)
         self.rows, self.num_samples, self.cost_attention = rows, len(rows), cost_attention
+        self.overlong_counts = {k: int(rows.metadata[f"num_{k}"]) for k in ("truncated", "dropped")}
         if rows.T != self.T:
             raise ValueError(
                 f"{rows.path}: rows were packed with T = {rows.T} tokens, but training.tokens_per_microbatch = "
@@ -120,9 +142,12 @@ class PackedRowSteps(_Steps):
         ids = self.sample_ids(step)
         per = self.global_batch_size // self.dp_size
         doc_lengths = [self.rows.doc_lengths(int(i)) for i in ids]
-        costs = np.array([
-            sample_costs(padded_lengths(d, self.rows.pad_to_multiple), self.cost_attention).sum() for d in doc_lengths
-        ])
+        costs = np.array(
+            [
+                sample_costs(padded_lengths(d, self.rows.pad_to_multiple), self.cost_attention).sum()
+                for d in doc_lengths
+            ]
+        )
         replica = costs.reshape(self.dp_size, per).sum(axis=1)
         mine = [
             pack_microbatch(self.rows.samples(int(i)), self.T, self.rows.pad_to_multiple, self.rows.pad_id)
@@ -177,6 +202,11 @@ class THDDataLoader:
         self.next_step = batch.step + 1
         return batch
 
+    @property
+    def overlong_counts(self) -> dict[str, int]:
+        """{"truncated": n, "dropped": m}: samples longer than T handled per data.overlong."""
+        return self.steps.overlong_counts
+
     def data_state(self) -> dict[str, int]:
         """Layout-free resume point: the next step to yield, its epoch and cursor, the seed."""
         s = self.steps
@@ -222,18 +252,27 @@ def build_dataloader(
 ) -> THDDataLoader:
     """The loader of this DP replica. `store`: a TokenStore (may be None for `data.source = "packed"`,
     whose rows are read from `data.path`). Overlong samples are truncated or dropped first
-    (`data.overlong`; the counts are on the returned loader's `steps.store`)."""
-    common = dict(
-        dp_rank=dp_rank, dp_size=dp_size, T=tokens_per_microbatch, global_batch_size=global_batch_size,
-        seed=seed, shuffle=data_cfg.shuffle,
-    )
+    (`data.overlong`; counted in `overlong_counts`)."""
+    common = {
+        "dp_rank": dp_rank,
+        "dp_size": dp_size,
+        "T": tokens_per_microbatch,
+        "global_batch_size": global_batch_size,
+        "seed": seed,
+        "shuffle": data_cfg.shuffle,
+    }
     if data_cfg.source == "packed":
-        steps = PackedRowSteps(open_packed(data_cfg.path, data_cfg.pad_to_multiple), cost_attention=cost_attention,
-                               **common)
+        steps = PackedRowSteps(
+            open_packed(data_cfg.path, data_cfg.pad_to_multiple), cost_attention=cost_attention, **common
+        )
     else:
         steps = PlannedSteps(
-            store.view(tokens_per_microbatch, data_cfg.overlong), pad_to_multiple=data_cfg.pad_to_multiple,
-            cp_size=cp_size, planner=planner, cost_attention=cost_attention, microbatch_group=microbatch_group,
+            store.view(tokens_per_microbatch, data_cfg.overlong),
+            pad_to_multiple=data_cfg.pad_to_multiple,
+            cp_size=cp_size,
+            planner=planner,
+            cost_attention=cost_attention,
+            microbatch_group=microbatch_group,
             **common,
         )
     return THDDataLoader(steps, data_cfg.num_workers, start_step)

@@ -64,7 +64,9 @@ def first_fit(sizes: np.ndarray, capacity: int, order: np.ndarray) -> list[list[
     return bins
 
 
-def pack_rows(lengths: np.ndarray, T: int, pad_to_multiple: int, algorithm: str, seed: int) -> list[list[int]]:
+def pack_rows(
+    lengths: np.ndarray, T: int, pad_to_multiple: int, algorithm: str, seed: int
+) -> list[list[int]]:
     """Rows of sample indices whose padded lengths fit T (deterministic for a given seed)."""
     sizes = padded_lengths(lengths, pad_to_multiple)
     if algorithm == "first_fit_decreasing":
@@ -76,18 +78,26 @@ def pack_rows(lengths: np.ndarray, T: int, pad_to_multiple: int, algorithm: str,
     return first_fit(sizes, T, order)
 
 
-def write_packed(out_dir: str | Path, store, rows: list[list[int]], metadata: dict, progress: bool = True) -> dict:
+def write_packed(
+    out_dir: str | Path, store, rows: list[list[int]], metadata: dict, progress: bool = True
+) -> dict:
     """Write `rows` of `store` samples to out_dir/rows.parquet and the metadata (with statistics) to
     out_dir/metadata.json; returns the full metadata."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     T, mult = metadata["tokens_per_microbatch"], metadata["pad_to_multiple"]
-    schema = pa.schema([
-        ("input_ids", pa.list_(pa.int32())), ("target_mask", pa.list_(pa.bool_())),
-        ("doc_lengths", pa.list_(pa.int32())), ("sample_index", pa.list_(pa.int64())),
-    ])
+    schema = pa.schema(
+        [
+            ("input_ids", pa.list_(pa.int32())),
+            ("target_mask", pa.list_(pa.bool_())),
+            ("doc_lengths", pa.list_(pa.int32())),
+            ("sample_index", pa.list_(pa.int64())),
+        ]
+    )
     with pq.ParquetWriter(out / ROWS_FILE, schema) as writer:
-        for start in tqdm(range(0, len(rows), _ROWS_PER_GROUP), desc="write rows", unit="group", disable=not progress):
+        for start in tqdm(
+            range(0, len(rows), _ROWS_PER_GROUP), desc="write rows", unit="group", disable=not progress
+        ):
             group = rows[start : start + _ROWS_PER_GROUP]
             docs = [i for row in group for i in row]
             samples = [store[i] for i in docs]
@@ -97,17 +107,26 @@ def write_packed(out_dir: str | Path, store, rows: list[list[int]], metadata: di
             tok_off = np.concatenate([[0], np.cumsum(doc_len)])[doc_off]
 
             def lists(values, offsets, typ):
-                return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(values, type=typ))
+                return pa.ListArray.from_arrays(
+                    pa.array(offsets.astype(np.int32)), pa.array(values, type=typ)
+                )
 
             ids = np.concatenate([s.input_ids for s in samples]).astype(np.int32)
             mask = np.concatenate([np.asarray(s.target_mask, dtype=bool) for s in samples])
-            writer.write_table(pa.table({
-                "input_ids": lists(ids, tok_off, pa.int32()),
-                "target_mask": lists(mask, tok_off, pa.bool_()),
-                "doc_lengths": lists(doc_len.astype(np.int32), doc_off, pa.int32()),
-                "sample_index": lists(np.array(docs, dtype=np.int64), doc_off, pa.int64()),
-            }, schema=schema))
-    lengths = store.lengths[np.concatenate([np.asarray(r, dtype=np.int64) for r in rows])] if rows else np.zeros(0)
+            writer.write_table(
+                pa.table(
+                    {
+                        "input_ids": lists(ids, tok_off, pa.int32()),
+                        "target_mask": lists(mask, tok_off, pa.bool_()),
+                        "doc_lengths": lists(doc_len.astype(np.int32), doc_off, pa.int32()),
+                        "sample_index": lists(np.array(docs, dtype=np.int64), doc_off, pa.int64()),
+                    },
+                    schema=schema,
+                )
+            )
+    lengths = (
+        store.lengths[np.concatenate([np.asarray(r, dtype=np.int64) for r in rows])] if rows else np.zeros(0)
+    )
     per_row = np.array([len(r) for r in rows])
     meta = {
         "format": FORMAT,
@@ -116,7 +135,10 @@ def write_packed(out_dir: str | Path, store, rows: list[list[int]], metadata: di
         "num_docs": int(per_row.sum()),
         "packing_efficiency": float(lengths.sum() / (len(rows) * T)) if rows else 0.0,
         "padded_efficiency": float(padded_lengths(lengths, mult).sum() / (len(rows) * T)) if rows else 0.0,
-        "docs_per_row": {"mean": float(per_row.mean()) if rows else 0.0, "max": int(per_row.max()) if rows else 0},
+        "docs_per_row": {
+            "mean": float(per_row.mean()) if rows else 0.0,
+            "max": int(per_row.max()) if rows else 0,
+        },
         "max_doc_len": int(lengths.max()) if rows else 0,
     }
     (out / METADATA_FILE).write_text(json.dumps(meta, indent=2) + "\n")
@@ -175,8 +197,10 @@ def open_packed(path: str | Path, pad_to_multiple: int = 1) -> PackedRows:
         folder = folder.parent
     meta_path, rows_path = folder / METADATA_FILE, folder / ROWS_FILE
     if not meta_path.is_file() or not rows_path.is_file():
-        raise ValueError(f"data.path = {path}: expected a folder with {ROWS_FILE} and {METADATA_FILE} "
-                         "(written by scripts/prepare_packed_data.py)")
+        raise ValueError(
+            f"data.path = {path}: expected a folder with {ROWS_FILE} and {METADATA_FILE} "
+            "(written by scripts/prepare_packed_data.py)"
+        )
     metadata = json.loads(meta_path.read_text())
     if metadata.get("format") != FORMAT:
         raise ValueError(f"{meta_path}: format {metadata.get('format')!r}, expected {FORMAT!r}")

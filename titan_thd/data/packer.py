@@ -10,7 +10,8 @@ Legend: T rows of the microbatch, R real tokens, N documents (including the padd
 from __future__ import annotations
 
 import time
-from typing import Protocol, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -51,7 +52,11 @@ def pack_microbatch(samples: Sequence[SampleLike], T: int, pad_to_multiple: int,
     R = int(cu_N1[-1])
 
     ids_R = np.concatenate([np.asarray(s.input_ids) for s in samples]) if samples else np.zeros(0, np.int64)
-    target_R = np.concatenate([np.asarray(s.target_mask, dtype=bool) for s in samples]) if samples else np.zeros(0, bool)
+    target_R = (
+        np.concatenate([np.asarray(s.target_mask, dtype=bool) for s in samples])
+        if samples
+        else np.zeros(0, bool)
+    )
     if target_R.shape != ids_R.shape:
         raise ValueError(f"target_mask has {target_R.size} entries for {ids_R.size} input ids")
 
@@ -83,7 +88,9 @@ def pack_microbatch(samples: Sequence[SampleLike], T: int, pad_to_multiple: int,
     ).validate(pad_to_multiple)
 
 
-def packer_throughput(num_tokens: int = 4_000_000, T: int = 4096, pad_to_multiple: int = 8, seed: int = 0) -> float:
+def packer_throughput(
+    num_tokens: int = 4_000_000, T: int = 4096, pad_to_multiple: int = 8, seed: int = 0
+) -> float:
     """Tokens per second of `pack_microbatch` on one core, lognormal documents (median 300)."""
 
     class _Sample:

@@ -13,14 +13,20 @@ its microbatches. Under CP each of the `cp` ranks of a replica carries cost / cp
 - `dp_balanced`: Megatron's order-preserving next-fit + tail splitting + round-robin
   (megatron_thd_spec.md section 1.2), with the `i >= 0` fix and a ValueError instead of an empty
   bin for a sample longer than T. Token counts only; it does not balance.
-- `balanced`: minimises the slowest replica's cost. The fewest microbatches K per replica for which
-  a greedy placement succeeds: samples in decreasing cost go to the cheapest replica that still has
-  room, into its best-fitting microbatch; then a local search moves or swaps samples off the most
-  expensive replica while that lowers it and keeps every microbatch within T.
+- `balanced`: minimises the slowest replica's cost with the fewest microbatches K per replica.
+  For K = a lower bound, K + 1, ...: (1) greedy placement, samples by decreasing cost, each on the
+  replica with the lowest *projected* final cost (cost now + its missing tokens at the average
+  cost per token still to place), best fit inside it; (2) repair of the samples that fit nowhere
+  by exchanging groups of one or two samples between microbatches until none overflows (else
+  K + 1); (3) local search: exchanges of samples (then pairs) between the slowest replica and
+  the others while that lowers the slowest. A heuristic (the problem is NP-hard): on tiny inputs
+  it finds the optimal K and comes within a few % of the optimal cost (brute force in
+  tests/data/test_planner.py); a few ms for 1000 samples (scripts/bench_planner.py).
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
 
@@ -30,10 +36,13 @@ POLICIES = ("balanced", "dp_balanced")
 
 # Local-search limits; each accepted step strictly lowers the sorted cost vector, so these only
 # bound the time on pathological inputs.
-_MAX_SEARCH_STEPS = 400
+_MAX_SEARCH_STEPS = 128
 _SEARCH_PARTNERS = 4  # swap partners: the cheapest few replicas
+_ANCHORS = 16  # group exchanges: only groups with one of r's 16 costliest samples
+_WINDOW = 4  # group exchanges: partner groups looked at on each side of a length
 _REPAIR_DONORS = 16  # the overflow repair asks the roomiest microbatches first
 _GOOD_ENOUGH = 1e-3  # stop once the slowest replica is within 0.1 % of the mean
+_MIN_GAIN = 1e-4  # or once the best exchange lowers it by less than 0.01 %
 
 
 @dataclass
@@ -63,7 +72,9 @@ def _check_inputs(lengths, dp: int, cp: int, T: int, policy: str) -> np.ndarray:
         if value < 1:
             raise ValueError(f"{policy} planner: {name} = {value}, expected >= 1")
     if lens.ndim != 1 or lens.size == 0:
-        raise ValueError(f"{policy} planner: expected a non-empty 1-D list of lengths, got shape {lens.shape}")
+        raise ValueError(
+            f"{policy} planner: expected a non-empty 1-D list of lengths, got shape {lens.shape}"
+        )
     if (lens < 0).any():
         bad = int(np.nonzero(lens < 0)[0][0])
         raise ValueError(f"{policy} planner: sample {bad} has negative length {int(lens[bad])}")
@@ -130,27 +141,31 @@ def _greedy(lens: np.ndarray, costs: np.ndarray, order: np.ndarray, dp: int, K: 
     attention-heavy ones short of small samples at the end. Inside a replica: best fit.
     Returns (bin_of [n]: microbatch r*K + k, or -1 where a sample fit nowhere; bin_free [dp*K]).
     """
-    free = [[T] * K for _ in range(dp)]
-    max_free = np.full(dp, T, dtype=np.int64)
-    cost, tokens = np.zeros(dp), np.zeros(dp)
+    rooms = [[(T, k) for k in range(K)] for _ in range(dp)]  # per replica: (free, microbatch), sorted
+    max_free, cost, tokens = [T] * dp, [0.0] * dp, [0] * dp
     left_cost, left_tokens = float(costs.sum()), int(lens.sum())
     bin_of = np.full(lens.size, -1, dtype=np.int64)
+    replicas = range(dp)
     for i, length, c in zip(order.tolist(), lens[order].tolist(), costs[order].tolist()):
         rate = left_cost / left_tokens if left_tokens > 0 else 1.0
         left_cost -= c
         left_tokens -= length
-        keys = np.where(max_free >= length, cost - rate * tokens, np.inf)
-        r = int(np.argmin(keys))
-        if keys[r] == np.inf:
+        fits = [r for r in replicas if max_free[r] >= length]
+        if not fits:
             continue
-        row = free[r]
-        k = min((f, k) for k, f in enumerate(row) if f >= length)[1]  # best fit, lowest index on ties
-        row[k] -= length
-        max_free[r] = max(row)
+        r = min(fits, key=lambda q: cost[q] - rate * tokens[q])  # lowest index on ties
+        row = rooms[r]
+        free, k = row.pop(bisect.bisect_left(row, (length, -1)))  # best fit, lowest index on ties
+        bisect.insort(row, (free - length, k))
+        max_free[r] = row[-1][0]
         cost[r] += c
         tokens[r] += length
         bin_of[i] = r * K + k
-    return bin_of, np.array(free, dtype=np.int64).reshape(-1)
+    bin_free = np.empty(dp * K, dtype=np.int64)
+    for r, row in enumerate(rooms):
+        for free, k in row:
+            bin_free[r * K + k] = free
+    return bin_of, bin_free
 
 
 def _groups(items: np.ndarray, bin_of: np.ndarray, lens: np.ndarray):
@@ -172,13 +187,14 @@ def _groups(items: np.ndarray, bin_of: np.ndarray, lens: np.ndarray):
     return first_a, second_a, length, bin_of[first_a]
 
 
-def _best_relief(z_len: np.ndarray, ex: int, donors: np.ndarray, lens, bin_of, bin_free):
-    """Best exchange of a group of the overflowing microbatch (lengths `z_len`) with a group of one
-    of `donors`: returns (index into z_len, (w1, w2, w_len, w_bin), index of w) or None.
+def _best_relief(z_len: np.ndarray, ex: int | None, donors: np.ndarray, lens, bin_of, bin_free):
+    """Best exchange of a group of microbatch o (group lengths `z_len`) for a group of one of `donors`
+    (or nothing): returns (index into z_len, (w1, w2, w_len, w_bin), index of w) or None.
 
-    Moving d tokens to a donor with `free` room removes min(d, ex, free, ex + free - d) tokens of
-    overflow, so per donor group only the two z groups around d = min(ex, free) need checking:
-    a binary search over the sorted z lengths.
+    o overflows by `ex`: moving d tokens to a donor with `free` room removes
+    min(d, ex, free, ex + free - d) tokens of overflow, so per donor group only the two z groups
+    around d = min(ex, free) need checking (a binary search over the sorted z lengths).
+    `ex` None: o has room and gathers more, the largest d <= free.
     """
     w1, w2, w_len, w_bin = _groups(np.nonzero(np.isin(bin_of, donors))[0], bin_of, lens)
     none = np.full(donors.size, -1)  # taking nothing back = a plain move
@@ -187,12 +203,21 @@ def _best_relief(z_len: np.ndarray, ex: int, donors: np.ndarray, lens, bin_of, b
     z_order = np.argsort(z_len, kind="stable")
     z_sorted = z_len[z_order]
     free = bin_free[w_bin]
-    above = np.searchsorted(z_sorted, w_len + np.minimum(ex, free))  # first group with d >= min(ex, free)
+    if ex is None:
+        candidates = (np.searchsorted(z_sorted, w_len + free, "right") - 1,)
+    else:
+        above = np.searchsorted(z_sorted, w_len + np.minimum(ex, free))  # first group with d >= min(ex, free)
+        candidates = (above, above - 1)
     best_gain, best_pick = np.zeros(w_len.size, np.int64), np.full(w_len.size, -1)
-    for cand in (above, above - 1):
+    for cand in candidates:
         valid = (cand >= 0) & (cand < z_sorted.size)
         d = z_sorted[np.clip(cand, 0, z_sorted.size - 1)] - w_len
-        gain = np.where(valid & (d > 0), np.minimum(np.minimum(d, ex), np.minimum(free, ex + free - d)), 0)
+        if ex is None:
+            gain = np.where(valid & (d > 0) & (d <= free), d, 0)
+        else:
+            gain = np.where(
+                valid & (d > 0), np.minimum(np.minimum(d, ex), np.minimum(free, ex + free - d)), 0
+            )
         better = gain > best_gain
         best_gain = np.where(better, gain, best_gain)
         best_pick = np.where(better, cand, best_pick)
@@ -207,8 +232,10 @@ def _repair(lens: np.ndarray, bin_of: np.ndarray, bin_free: np.ndarray) -> bool:
 
     Leftovers go (over capacity) to the microbatches with the most room; then, while a microbatch
     o overflows, one or two of its samples are exchanged for zero, one or two samples of a
-    microbatch with room (the roomiest few first, then all). Total overflow strictly falls at
-    every step, so this ends.
+    microbatch with room (the roomiest few first, then all). When no such exchange exists, room
+    is gathered first: the roomiest microbatch takes room from the others by the same kind of
+    exchange, which widens the lengths that fit there. Total overflow falls at every exchange
+    with o and the largest room grows at every gathering step, so this ends.
     """
     left = np.nonzero(bin_of < 0)[0]
     for i in left[np.argsort(-lens[left], kind="stable")].tolist():
@@ -216,13 +243,17 @@ def _repair(lens: np.ndarray, bin_of: np.ndarray, bin_free: np.ndarray) -> bool:
         bin_of[i] = b
         bin_free[b] -= lens[i]
     while (bin_free < 0).any():
-        o = int(np.argmin(bin_free))
-        ex = -int(bin_free[o])
-        z1, z2, z_len, _ = _groups(np.nonzero(bin_of == o)[0], bin_of, lens)
         roomy = np.nonzero(bin_free > 0)[0]
         roomy = roomy[np.argsort(-bin_free[roomy], kind="stable")]
-        for donors in (roomy[:_REPAIR_DONORS], roomy[_REPAIR_DONORS:]):
-            found = _best_relief(z_len, ex, donors, lens, bin_of, bin_free) if donors.size else None
+        o = int(np.argmin(bin_free))
+        ex = -int(bin_free[o])
+        for donors in (roomy[:_REPAIR_DONORS], roomy[_REPAIR_DONORS:], None):
+            if donors is None and roomy.size > 1:  # gather room in the roomiest microbatch
+                o, ex, donors = int(roomy[0]), None, roomy[1:]
+            if donors is None or donors.size == 0:
+                continue
+            z1, z2, z_len, _ = _groups(np.nonzero(bin_of == o)[0], bin_of, lens)
+            found = _best_relief(z_len, ex, donors, lens, bin_of, bin_free)
             if found is not None:
                 break
         else:
@@ -245,7 +276,8 @@ def _window_candidates(x_len, x_free, y_len, y_bin, y_free):
     """(x index, y index) of group exchanges in place (x into y's microbatch and back) that fit.
 
     Per partner microbatch: its groups sorted by length, and for each x only those in the window
-    [l_x - room there, l_x + room of x's], which is narrow once microbatches are nearly full.
+    [l_x - room there, l_x + room of x's] (narrow once microbatches are nearly full), at most
+    _WINDOW on either side of l_x (bounds the work when microbatches still have room).
     """
     order = np.lexsort((y_len, y_bin))
     xs, ys = [], []
@@ -253,8 +285,9 @@ def _window_candidates(x_len, x_free, y_len, y_bin, y_free):
         lo_b, hi_b = np.searchsorted(y_bin[order], [b, b + 1])
         idx = order[lo_b:hi_b]
         room = y_free[idx[0]]
-        lo = lo_b + np.searchsorted(y_len[idx], x_len - room, "left")
-        hi = lo_b + np.searchsorted(y_len[idx], x_len + x_free, "right")
+        near = lo_b + np.searchsorted(y_len[idx], x_len)
+        lo = np.maximum(lo_b + np.searchsorted(y_len[idx], x_len - room, "left"), near - _WINDOW)
+        hi = np.minimum(lo_b + np.searchsorted(y_len[idx], x_len + x_free, "right"), near + _WINDOW)
         counts = hi - lo
         xi = np.repeat(np.arange(x_len.size), counts)
         xs.append(xi)
@@ -273,7 +306,9 @@ def _destination(length, other_len, own_bin, free, roomiest, second, K):
     return np.where(length - other_len <= free[own_bin], own_bin, np.where(free[alt] >= length, alt, -1))
 
 
-def _local_search(lens: np.ndarray, costs: np.ndarray, bin_of: np.ndarray, bin_free: np.ndarray, dp: int, K: int):
+def _local_search(
+    lens: np.ndarray, costs: np.ndarray, bin_of: np.ndarray, bin_free: np.ndarray, dp: int, K: int
+):
     """Lower the most expensive replica r by exchanges between microbatches, in place.
 
     An exchange gives a group x of r for a group y of another replica when every microbatch stays
@@ -302,13 +337,22 @@ def _local_search(lens: np.ndarray, costs: np.ndarray, bin_of: np.ndarray, bin_f
                 empty = np.nonzero(np.arange(dp * K) // K != r)[0]  # a plain move into any other replica
             else:
                 x1, x2, x_len, x_bin = _groups(mine, bin_of, lens)
+                anchors = mine[np.argsort(-costs[mine], kind="stable")[:_ANCHORS]]
+                keep = np.isin(x1, anchors) | np.isin(x2, anchors)  # r's costly samples move cost
+                x1, x2, x_len, x_bin = x1[keep], x2[keep], x_len[keep], x_bin[keep]
                 y1, y2, y_len, y_bin = _groups(theirs, bin_of, lens)
                 empty = np.concatenate([np.arange(p * K, (p + 1) * K) for p in cheap])
             none = np.full(empty.size, -1)
             y1, y2 = np.concatenate([y1, none]), np.concatenate([y2, none])
-            y_len, y_bin = np.concatenate([y_len, np.zeros(empty.size, np.int64)]), np.concatenate([y_bin, empty])
+            y_len, y_bin = (
+                np.concatenate([y_len, np.zeros(empty.size, np.int64)]),
+                np.concatenate([y_bin, empty]),
+            )
             if singles:
-                xi, yi = (a.reshape(-1) for a in np.meshgrid(np.arange(x_len.size), np.arange(y_len.size), indexing="ij"))
+                xi, yi = (
+                    a.reshape(-1)
+                    for a in np.meshgrid(np.arange(x_len.size), np.arange(y_len.size), indexing="ij")
+                )
                 x_to = _destination(x_len[xi], y_len[yi], y_bin[yi], bin_free, roomiest, second, K)
                 y_to = _destination(y_len[yi], x_len[xi], x_bin[xi], bin_free, roomiest, second, K)
                 ok = (x_to >= 0) & (y_to >= 0)
@@ -321,7 +365,7 @@ def _local_search(lens: np.ndarray, costs: np.ndarray, bin_of: np.ndarray, bin_f
             delta = y_cost[yi] - x_cost[xi]  # change of r's cost
             new_max = np.maximum(top + delta, rep_cost[y_bin[yi] // K] - delta)
             new_max = np.where(delta < 0, new_max, np.inf)
-            if new_max.size and new_max.min() < top * (1 - 1e-12):
+            if new_max.size and new_max.min() < top * (1 - _MIN_GAIN):
                 break
         else:
             return
@@ -347,8 +391,9 @@ def plan_balanced(
 ) -> Plan:
     """Minimise the slowest replica's cost with the fewest microbatches per replica (all equal).
 
-    For K = a lower bound, K+1, ...: LPT placement under the cap T, then a repair of what did not
-    fit (K+1 if that fails), then local search on the slowest replica. `microbatch_group`
+    For K = a lower bound, K+1, ...: greedy placement under the cap T, then a repair of what did
+    not fit (K+1 if that fails); then local search on the slowest replica (module docstring).
+    Deterministic: no randomness, ties go to the lowest index. `microbatch_group`
     (interleaved pipelines) rounds K up to a multiple of it; microbatches may be empty when there
     are fewer samples than microbatch slots.
     """

@@ -61,7 +61,9 @@ def data_state(step: int, global_batch_size: int, num_samples: int, seed: int) -
 def step_from_state(state: dict, global_batch_size: int, num_samples: int, seed: int) -> int:
     """The step a `data_state` dict resumes at; ValueError if it belongs to another data order."""
     if int(state["seed"]) != seed:
-        raise ValueError(f"data state was written with seed {state['seed']}, this run uses training.seed = {seed}")
+        raise ValueError(
+            f"data state was written with seed {state['seed']}, this run uses training.seed = {seed}"
+        )
     step = int(state["step"])
     expected = data_state(step, global_batch_size, num_samples, seed)
     if (int(state["epoch"]), int(state["cursor"])) != (expected["epoch"], expected["cursor"]):
