@@ -280,14 +280,12 @@ class Trainer:
             d.world_size, self.dist.device, " (fake process group)" if self.dist.fake else "", d.dp, d.cp,
             c.parallelism.context_parallel_mode, d.tp, d.pp,
         )
-        data = f"data {c.data.source} {c.data.path or c.data.mock_config}"
-        store = getattr(self.dataloader.steps, "store", None)
-        if store is not None:
-            data += (
-                f": {len(store)} samples, {int(store.lengths.sum()):,} tokens; {store.num_truncated} truncated, "
-                f"{store.num_dropped} dropped (longer than T = {c.training.tokens_per_microbatch})"
-            )
-        logger.info("%s; global batch %d", data, c.training.global_batch_size)
+        counts = self.dataloader.overlong_counts
+        logger.info(
+            "data %s %s: %d samples; %d truncated, %d dropped (longer than T = %d); global batch %d",
+            c.data.source, c.data.path or c.data.mock_config, self.dataloader.steps.num_samples,
+            counts["truncated"], counts["dropped"], c.training.tokens_per_microbatch, c.training.global_batch_size,
+        )
         logger.info("MFU peak %.3f TFLOP/s per rank (%s)", self.peak_tflops,
                     "metrics.peak_tflops" if c.metrics.peak_tflops else "measured matmul peak")
 
