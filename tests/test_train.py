@@ -83,6 +83,7 @@ def test_attention_cost_weight_reads_the_flops_formula(trainer):
             ["--parallelism.context_parallel_degree", "2", "--parallelism.context_parallel_mode", "contiguous"],
             r"context_parallel_mode = contiguous: model llama computes only zigzag exactly",
         ),
+        ("1", ["--model.hf_path", "/ckpt"], r"model.hf_path = '/ckpt': initialising from a Hugging Face"),
         ("1", ["--model.flavor", "huge"], r"model.flavor: got 'huge' for llama, expected one of debug, bench"),
     ],
 )

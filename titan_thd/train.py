@@ -86,6 +86,11 @@ class Trainer:
                 f"parallelism.context_parallel_mode = {p.context_parallel_mode}: model {cfg.model.name} computes "
                 f"only {', '.join(self.spec.cp_modes)} exactly"
             )
+        if cfg.model.hf_path:
+            raise ValueError(
+                f"model.hf_path = {cfg.model.hf_path!r}: initialising from a Hugging Face checkpoint is not wired "
+                "into the trainer yet (leave it empty)"
+            )
         fake = cfg.comm.mode == "fake"
         world_size = int(os.environ.get("NGPU" if fake else "WORLD_SIZE", "1"))
         self.parallel_dims = ParallelDims.from_config(p, world_size)
