@@ -32,6 +32,20 @@ class Net(nn.Module):
         return self.head(x)
 
 
+class Gated(nn.Module):
+    """A block whose `gate` runs only for inputs of more than 4 rows: data-dependent control flow,
+    like attention skipping an all-padding microbatch or a MoE expert that gets no tokens."""
+
+    def __init__(self, dim=16):
+        super().__init__()
+        self.ff = nn.Linear(dim, dim)
+        self.gate = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        h = self.ff(x)
+        return h + self.gate(x) if x.shape[0] > 4 else h
+
+
 def _batch():
     g = torch.Generator().manual_seed(7)
     return torch.randn(10, 16, generator=g), torch.randint(0, 11, (10,), generator=g)
@@ -84,6 +98,21 @@ def _fsdp_body(rank, world_size):
     )
     out["moved"] = min(_rel(dict(ref.named_parameters())[n].detach(), ref_init[n]) for n in ref_init)
 
+    # ranks that use different parameters (gate only on rank 1) still reduce-scatter in lockstep
+    rows = slice(0, 3) if rank == 0 else slice(3, 10)
+    torch.manual_seed(SEED)
+    gated_ref = nn.Sequential(Gated(), Gated())
+    for part in (slice(0, 3), slice(3, 10)):
+        gated_ref(x[part]).square().sum().backward()
+    torch.manual_seed(SEED)
+    gated = nn.Sequential(Gated(), Gated())
+    apply_fsdp(gated, dims.get_mesh("fsdp"), blocks=list(gated))
+    gated(x[rows]).square().sum().backward()
+    out["unused_grad_rel"] = max(
+        _rel(p.grad.full_tensor(), dict(gated_ref.named_parameters())[n].grad)
+        for n, p in gated.named_parameters()
+    )
+
     # bf16 compute with fp32 master weights and fp32 reduction runs on gloo
     torch.manual_seed(SEED)
     mp_model = Net()
@@ -111,6 +140,7 @@ def test_fsdp_sum_gradients_match_single_process():
         assert r["loss_rel"] <= 1e-6, r["loss_rel"]
         assert r["grad_rel"] <= 1e-6, r["grad_rel"]
         assert r["param_rel"] <= 1e-6, r["param_rel"]
+        assert r["unused_grad_rel"] <= 1e-6, r["unused_grad_rel"]
         assert r["moved"] > 1e-4  # the step changed every weight, so the comparison means something
         logits_dtype, grad_dtypes, param_dtypes = r["mp_dtypes"]
         assert (

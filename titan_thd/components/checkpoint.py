@@ -231,8 +231,8 @@ class CheckpointManager:
         main = distributed.rank() == 0
         tag = distributed.broadcast_object(f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
         tmp = self.folder / f"step-{step}.tmp-{tag}"
-        if main:
-            for old in self._leftovers():
+        if main:  # other ranks may already have created `tmp`: it is not a leftover
+            for old in (p for p in self._leftovers() if p != tmp):
                 logger.warning("checkpoint: removing %s, left by an interrupted save", old)
                 shutil.rmtree(old, ignore_errors=True)
         tmp.mkdir(parents=True, exist_ok=True)

@@ -51,6 +51,11 @@ def apply_fsdp(
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
+            # The graph depends on the data: an all-padding microbatch skips attention, a MoE
+            # expert may get no tokens on one rank. Without zero gradients for the parameters
+            # a rank did not use, ranks reduce-scatter different buffers and the collective
+            # mismatches (gloo aborts, NCCL hangs).
+            module.set_reduce_scatter_unused_params(True)
     return model
 
 
