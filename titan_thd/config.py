@@ -104,7 +104,8 @@ class Training:
     seed: int = 42
     """Seed of weights and data order; the same seed gives the same run on every parallel layout."""
     global_batch_size: int = 32
-    """Samples (documents) per optimizer step, over all data-parallel replicas."""
+    """Samples (documents) per optimizer step, over all data-parallel replicas; for data.source = packed:
+    packed rows (one microbatch each), a multiple of the data-parallel degree."""
     tokens_per_microbatch: int = 2048
     """T: tokens per packed microbatch of one data-parallel replica, before the CP split."""
     planner: str = "balanced"
