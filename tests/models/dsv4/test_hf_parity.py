@@ -8,6 +8,7 @@ checks MTP's THD behaviour).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -153,3 +154,35 @@ def test_bad_configs_are_rejected(hf_dir):
         args_from_hf_config({**legacy, "compress_ratios": [0, 4, 8, 4]})
     with pytest.raises(ValueError, match="num_key_value_heads = 2"):
         args_from_hf_config({**cfg, "num_key_value_heads": 2})
+
+
+def test_convert_hf_dcp_round_trip(hf_dir, ours, tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[3] / "scripts" / "convert_hf.py"
+    spec = importlib.util.spec_from_file_location("convert_hf", script)
+    convert = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(convert)
+    model, _ = ours
+    assert convert.main(["to-dcp", str(hf_dir[0]), str(tmp_path / "dcp")]) == 0
+    assert convert.main(["to-hf", str(tmp_path / "dcp"), str(tmp_path / "hf"),
+                         "--hf-config", str(tmp_path / "dcp" / "config.json")]) == 0
+    back, _ = load_hf(tmp_path / "hf")
+    for (k, a), (k2, b) in zip(model.state_dict().items(), back.state_dict().items()):
+        if not k.startswith("mtp."):  # the source has no MTP weights: those are freshly initialised
+            assert k == k2 and torch.equal(a, b), k
+    assert convert.main(["to-hf", str(tmp_path / "dcp"), str(tmp_path / "x"), "--flavor", "micro"]) == 1
+
+
+def test_init_from_hf_hook_loads_into_a_built_model(hf_dir, ours):
+    from titan_thd.models.dsv4 import build_dsv4, spec
+
+    model, args = ours
+    fresh = build_dsv4(args)
+    spec.hooks["init_from_hf"](fresh, hf_dir[0])
+    for k, v in model.state_dict().items():
+        if not k.startswith("mtp."):
+            assert torch.equal(fresh.state_dict()[k], v), k
+    with pytest.raises(ValueError, match="does not match the given args: dim: checkpoint 64 vs 128"):
+        spec.hooks["init_from_hf"](build_dsv4(dataclasses.replace(args, dim=128)), hf_dir[0])

@@ -303,10 +303,20 @@ def load_hf(path: str | Path, flavor_or_args: str | DSv4Args | None = None) -> t
     if not cfg_file.is_file():
         raise ValueError(f"{path}: no config.json")
     ckpt_args = args_from_hf_config(json.loads(cfg_file.read_text()), str(cfg_file))
-    args = _resolve_args(ckpt_args, flavor_or_args, str(cfg_file))
-    model = build_dsv4(args)
+    model = build_dsv4(_resolve_args(ckpt_args, flavor_or_args, str(cfg_file)))
     load_state_dict_hf(model, _read_safetensors(path), str(path))
-    return model, args
+    return model, model.args
+
+
+def load_hf_into(model: DSv4Model, path: str | Path) -> None:
+    """Load an HF checkpoint into an already built model (e.g. the trainer's); its config.json must
+    describe the model's architecture (ValueError naming the differing fields otherwise)."""
+    path = Path(path)
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise ValueError(f"{path}: no config.json")
+    _resolve_args(args_from_hf_config(json.loads(cfg_file.read_text()), str(cfg_file)), model.args, str(cfg_file))
+    load_state_dict_hf(model, _read_safetensors(path), str(path))
 
 
 def export_hf(model: DSv4Model, args: DSv4Args, out_dir: str | Path, dtype: torch.dtype | None = None) -> Path:

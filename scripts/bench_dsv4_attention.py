@@ -1,0 +1,108 @@
+"""Forward+backward time per token of one dsv4 attention layer of each type at growing T.
+
+    .venv/bin/python scripts/bench_dsv4_attention.py [--flavor tiny] [--doc-len 2048 | --lognormal]
+        [--tokens 2048,4096,8192,16384] [--repeats 3] [--threads N] [--json out.json]
+
+One attention layer (sliding / csa / hca) of the flavor on a packed microbatch of T tokens made of
+documents of `--doc-len` tokens (default 2048, the last one shorter if T is not a multiple), or of
+lognormal lengths (median 1024, sigma 1, clipped to 64..T) with `--lognormal`. CSA runs as in
+training: indexer selection plus its sparse KL loss. The per-microbatch index plan is built once
+beforehand (all layers share it) and is not timed. The time is the median of `--repeats` runs after
+one warm-up. Project bar: sliding and CSA cost per token flat within +-20% from 2k to 16k tokens.
+Output: a table, and with --json {"per_token_us": {"sliding": {"2048": us, ...}, "csa": ..., "hca": ...},
+"config": {...}}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from titan_thd.data.packed_batch import PackedBatch
+from titan_thd.models.batch_meta import BatchMeta
+from titan_thd.models.dsv4 import flavors
+from titan_thd.models.dsv4.attention import Attention
+from titan_thd.models.dsv4.plans import get_plan
+
+KINDS = ("sliding", "csa", "hca")
+
+
+def doc_lengths(T: int, doc_len: int, lognormal: bool, gen: torch.Generator) -> list[int]:
+    lengths = []
+    while sum(lengths) < T:
+        if lognormal:
+            n = int(torch.empty(1).log_normal_(mean=float(torch.log(torch.tensor(1024.0))), std=1.0, generator=gen))
+            n = max(64, n)
+        else:
+            n = doc_len
+        lengths.append(min(n, T - sum(lengths)))
+    return lengths
+
+
+def make_meta(lengths: list[int]) -> BatchMeta:
+    cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+    pos = torch.cat([torch.arange(n) for n in lengths])
+    T = int(cu[-1])
+    batch = PackedBatch(torch.zeros(T, dtype=torch.long), None, None, pos, cu, cu, max(lengths), len(lengths))
+    return BatchMeta.from_batch(batch.validate())
+
+
+def time_layer(attn: Attention, x: torch.Tensor, plan, repeats: int) -> float:
+    times = []
+    for i in range(repeats + 1):
+        x.grad = None
+        attn.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        out, kl = attn(x, plan, with_kl=True)
+        loss = out.square().mean() + (kl if kl is not None else 0.0)
+        loss.backward()
+        if i:  # the first run warms up allocator and caches
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--flavor", default="tiny", choices=sorted(flavors))
+    p.add_argument("--tokens", default="2048,4096,8192,16384")
+    p.add_argument("--doc-len", type=int, default=2048)
+    p.add_argument("--lognormal", action="store_true")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
+    p.add_argument("--json", default="")
+    opts = p.parse_args()
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+    args = flavors[opts.flavor]
+    Ts = [int(t) for t in opts.tokens.split(",")]
+    gen = torch.Generator().manual_seed(0)
+    result: dict[str, dict[str, float]] = {k: {} for k in KINDS}
+    docs = "lognormal(median 1024, sigma 1)" if opts.lognormal else f"{opts.doc_len}-token"
+    print(f"dsv4 {opts.flavor} attention layer, fwd+bwd, {docs} documents, {torch.get_num_threads()} threads")
+    for T in Ts:
+        meta = make_meta(doc_lengths(T, opts.doc_len, opts.lognormal, gen))
+        plan = get_plan(meta, args, torch.float32)
+        for kind in KINDS:
+            torch.manual_seed(0)
+            attn = Attention(args, kind).train()
+            x = torch.randn(T, args.dim, requires_grad=True)
+            result[kind][str(T)] = time_layer(attn, x, plan, opts.repeats) / T * 1e6
+    print(f"{'T':>7} | " + " | ".join(f"{k:>12}" for k in KINDS) + "   (us per token)")
+    for T in Ts:
+        print(f"{T:>7} | " + " | ".join(f"{result[k][str(T)]:>12.1f}" for k in KINDS))
+    base = str(Ts[0])
+    print("ratio to T=%s: " % base + ", ".join(
+        f"{k} {max(result[k].values()) / result[k][base]:.2f}x max / {min(result[k].values()) / result[k][base]:.2f}x min"
+        for k in KINDS))
+    if opts.json:
+        config = {"flavor": opts.flavor, "documents": docs, "threads": torch.get_num_threads(), "repeats": opts.repeats}
+        with open(opts.json, "w") as f:
+            json.dump({"per_token_us": result, "config": config}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""Convert DeepSeek-V4 weights between a Hugging Face folder and a DCP checkpoint folder.
+
+    # HF (config.json + *.safetensors) -> DCP folder holding the trainer's "model" entries
+    .venv/bin/python scripts/convert_hf.py to-dcp HF_DIR OUT_DIR [--flavor tiny]
+
+    # DCP (a to-dcp folder, or a trainer checkpoint such as outputs/x/checkpoint/step-60) -> HF folder
+    .venv/bin/python scripts/convert_hf.py to-hf DCP_DIR OUT_DIR (--flavor tiny | --hf-config config.json)
+        [--dtype bfloat16]
+
+The DCP state dict has the trainer's layout (`{"model": {fqn: tensor}}`, so keys `model.<fqn>`),
+written by one process; DCP reshards it when a multi-rank job loads it. The HF side uses
+`titan_thd.models.dsv4.hf_interop` (the one place that maps names). For `to-hf` the architecture
+comes from the flavor (its vocabulary size is taken from the checkpoint's embedding, since the
+trainer rounds the tokenizer's up to a multiple of 64) or from an HF config.json; `to-dcp` copies
+config.json next to the shards so the folder converts back with `--hf-config OUT_DIR/config.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import shutil
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from titan_thd.models.dsv4 import build_dsv4, export_hf, flavors, load_hf
+from titan_thd.models.dsv4.hf_interop import args_from_hf_config
+
+
+def to_dcp(hf_dir: Path, out: Path, flavor: str | None) -> None:
+    model, args = load_hf(hf_dir, flavor)
+    if out.exists() and any(out.iterdir()):
+        raise ValueError(f"{out} exists and is not empty")
+    out.mkdir(parents=True, exist_ok=True)
+    with warnings.catch_warnings():  # DCP warns that no process group exists: one writer is intended
+        warnings.simplefilter("ignore")
+        dcp.save({"model": model.state_dict()}, storage_writer=dcp.FileSystemWriter(out))
+    shutil.copy(hf_dir / "config.json", out / "config.json")
+    print(f"wrote {out}: {len(model.state_dict())} model tensors, args {args.architecture()}")
+
+
+def to_hf(dcp_dir: Path, out: Path, flavor: str | None, hf_config: Path | None, dtype: str | None) -> None:
+    if (flavor is None) == (hf_config is None):
+        raise ValueError("to-hf needs exactly one of --flavor or --hf-config")
+    if not (dcp_dir / ".metadata").is_file():
+        raise ValueError(f"{dcp_dir}: not a DCP checkpoint (no .metadata)")
+    metadata = dcp.FileSystemReader(dcp_dir).read_metadata().state_dict_metadata
+    if "model.embed.weight" not in metadata:
+        raise ValueError(f"{dcp_dir}: no model.embed.weight entry; is it a dsv4 checkpoint?")
+    if hf_config is not None:
+        args = args_from_hf_config(json.loads(hf_config.read_text()), str(hf_config))
+    else:
+        if flavor not in flavors:
+            raise ValueError(f"--flavor {flavor!r}: expected one of {list(flavors)}")
+        vocab = metadata["model.embed.weight"].size[0]
+        args = dataclasses.replace(flavors[flavor], vocab_size=vocab)
+    model = build_dsv4(args)
+    state = {"model": model.state_dict()}
+    missing = [f"model.{k}" for k in state["model"] if f"model.{k}" not in metadata]
+    if missing:
+        raise ValueError(f"{dcp_dir} lacks {len(missing)} tensors of this architecture, e.g. {missing[:5]}")
+    shapes = [f"model.{k}: checkpoint {tuple(metadata[f'model.{k}'].size)} vs {tuple(v.shape)}"
+              for k, v in state["model"].items() if tuple(metadata[f"model.{k}"].size) != tuple(v.shape)]
+    if shapes:
+        raise ValueError(f"{dcp_dir} does not have this architecture's shapes: " + "; ".join(shapes[:5]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(state, storage_reader=dcp.FileSystemReader(dcp_dir))
+    model.load_state_dict(state["model"])
+    export_hf(model, args, out, dtype=getattr(torch, dtype) if dtype else None)
+    print(f"wrote {out}: config.json + model.safetensors")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    a = sub.add_parser("to-dcp", help="HF folder -> DCP folder")
+    a.add_argument("src", type=Path)
+    a.add_argument("out", type=Path)
+    a.add_argument("--flavor", default=None, help="fail unless config.json matches this dsv4 flavor")
+    b = sub.add_parser("to-hf", help="DCP folder -> HF folder")
+    b.add_argument("src", type=Path)
+    b.add_argument("out", type=Path)
+    b.add_argument("--flavor", default=None)
+    b.add_argument("--hf-config", type=Path, default=None)
+    b.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
+    opts = p.parse_args(argv)
+    try:
+        if opts.cmd == "to-dcp":
+            to_dcp(opts.src, opts.out, opts.flavor)
+        else:
+            to_hf(opts.src, opts.out, opts.flavor, opts.hf_config, opts.dtype)
+    except ValueError as e:
+        print(f"convert_hf.py: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
