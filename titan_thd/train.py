@@ -261,7 +261,7 @@ class Trainer:
             self.checkpointer.save(self.step, force=self.step == self.cfg.training.steps)
             if self.checkpointer.should_stop():
                 self.checkpointer.save(self.step, force=True)
-                logger.info("stop requested by signal: saved step %d, exiting", self.step)
+                logger.info("stopped by signal after step %d", self.step)
                 break
 
     def close(self) -> None:
