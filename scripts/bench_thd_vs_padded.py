@@ -18,12 +18,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import resource
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -32,7 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from titan_thd.components.loss import cross_entropy_sum  # noqa: E402
 from titan_thd.data.mock import mock_lengths  # noqa: E402
-from titan_thd.data.packed_batch import IGNORE_INDEX, PackedBatch  # noqa: E402
+from titan_thd.data.packed_batch import PackedBatch  # noqa: E402
+from titan_thd.data.packer import pack_microbatch, packer_throughput  # noqa: E402
 from titan_thd.models.batch_meta import BatchMeta  # noqa: E402
 from titan_thd.models.llama import build_llama, flavors  # noqa: E402
 
@@ -61,7 +64,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 # ============================================================================ data
-def microbatch_documents(args: argparse.Namespace) -> list[list[torch.Tensor]]:
+@dataclasses.dataclass
+class Document:
+    input_ids: np.ndarray
+    target_mask: np.ndarray
+
+
+def microbatch_documents(args: argparse.Namespace) -> list[list[Document]]:
     """warmup + steps microbatches of seeded lognormal documents, filled in order up to T tokens."""
     cfg = {
         "mode": "distribution",
@@ -72,36 +81,25 @@ def microbatch_documents(args: argparse.Namespace) -> list[list[torch.Tensor]]:
         "lognormal_sigma": args.sigma,
     }
     lengths = iter(mock_lengths(cfg, 100_000, args.seed).tolist())
-    gen = torch.Generator().manual_seed(args.seed)
-    batches: list[list[torch.Tensor]] = [[]]
+    rng = np.random.default_rng(args.seed)
+    batches: list[list[Document]] = [[]]
     while len(batches) <= args.warmup + args.steps:
         n = next(lengths)
-        if sum(len(d) for d in batches[-1]) + n > args.tokens:
+        if sum(len(d.input_ids) for d in batches[-1]) + n > args.tokens:
             batches.append([])
-        batches[-1].append(torch.randint(0, args.vocab_size, (n,), generator=gen))
+        batches[-1].append(Document(rng.integers(0, args.vocab_size, n), np.arange(n) > 0))
     return batches[:-1]
 
 
-def packed_inputs(
-    docs: list[torch.Tensor], slot: int | None, total: int
-) -> tuple[torch.Tensor, torch.Tensor, BatchMeta]:
-    """tokens_T, labels_T, meta of `docs`, each padded to `slot` rows (None: its own length), then
-    one tail padding document up to `total` rows."""
-    lens = [len(d) for d in docs]
-    plens = [slot or n for n in lens]
-    if total > sum(plens):
-        lens, plens = lens + [0], plens + [total - sum(plens)]
-    tokens = torch.zeros(total, dtype=torch.long)
-    labels = torch.full((total,), IGNORE_INDEX, dtype=torch.long)
-    start = 0
-    for d, p in zip(docs, plens):
-        tokens[start : start + len(d)] = d
-        labels[start : start + len(d) - 1] = d[1:]
-        start += p
-    cu, cu_padded = (torch.tensor([0] + xs).cumsum(0).to(torch.int32) for xs in (lens, plens))
-    positions = torch.cat([torch.arange(p) for p in plens])
-    batch = PackedBatch(tokens, labels, None, positions, cu, cu_padded, max(plens), len(lens))
-    return tokens, labels, BatchMeta.from_batch(batch.validate())
+def microbatch(docs: list[Document], variant: str, T: int) -> tuple[PackedBatch, BatchMeta]:
+    """thd: the documents in one [T] stream. padded: every document padded to the longest, which is
+    the [B, S_max] batch flattened token-major (rows of one document are contiguous either way)."""
+    if variant == "thd":
+        batch = pack_microbatch(docs, T, pad_to_multiple=1, pad_id=0)
+    else:
+        s_max = max(len(d.input_ids) for d in docs)
+        batch = pack_microbatch(docs, s_max * len(docs), pad_to_multiple=s_max, pad_id=0)
+    return batch, BatchMeta.from_batch(batch)
 
 
 class PaddedCausalAttention(nn.Module):
@@ -124,50 +122,37 @@ def run_variant(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     model = build_llama(dataclasses.replace(flavors[args.flavor], vocab_size=args.vocab_size))
-    batches = microbatch_documents(args)
-    if args.variant == "thd":
-        inputs = [packed_inputs(docs, None, args.tokens) for docs in batches]
-    else:
-        s_max = [max(len(d) for d in docs) for docs in batches]
-        inputs = [packed_inputs(docs, s, s * len(docs)) for docs, s in zip(batches, s_max)]
+    inputs = [microbatch(docs, args.variant, args.tokens) for docs in microbatch_documents(args)]
+    if args.variant == "padded":
         for block in model.layers.values():
             block.attention.inner_attention = PaddedCausalAttention()
     setup_mb = rss_mb()
-    elapsed, real_tokens, slots, losses = 0.0, 0, 0, []
-    for i, (tokens, labels, meta) in enumerate(inputs):
-        t0 = time.perf_counter()
-        logits = model(tokens, meta).logits
-        loss = cross_entropy_sum(logits, labels)
+    elapsed, cpu, real_tokens, slots, losses = 0.0, 0.0, 0, 0, []
+    for i, (batch, meta) in enumerate(inputs):
+        t0, c0 = time.perf_counter(), time.process_time()
+        logits = model(batch.tokens, meta).logits
+        loss = cross_entropy_sum(logits, batch.labels, batch.loss_mask)
         loss.backward()
-        dt = time.perf_counter() - t0
+        dt, dc = time.perf_counter() - t0, time.process_time() - c0
         model.zero_grad(set_to_none=True)
         losses.append(float(loss))
         if i >= args.warmup:
             elapsed += dt
-            real_tokens += sum(meta.seqlens)
-            slots += len(tokens)
+            cpu += dc
+            real_tokens += batch.num_real_tokens
+            slots += batch.total_tokens
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return {
         "variant": args.variant,
         "tokens_per_s": real_tokens / elapsed,
         "seconds_per_step": elapsed / args.steps,
+        "cpu_seconds_per_step": cpu / args.steps,
         "real_tokens": real_tokens,
         "slots": slots,
         "peak_mb": peak_mb,
         "peak_over_setup_mb": peak_mb - setup_mb,
         "losses": losses,
     }
-
-
-# ============================================================================ packer
-def packer_tokens_per_s(args: argparse.Namespace) -> float | None:
-    """The packer's own throughput on one core, or None while titan_thd.data.packer does not exist."""
-    try:
-        from titan_thd.data import packer
-    except ImportError:
-        return None
-    torch.set_num_threads(1)
-    return packer.packer_throughput(args.tokens)
 
 
 # ============================================================================ main
@@ -187,24 +172,26 @@ def main() -> None:
     # Same weights, same documents: the two layouts must compute the same loss.
     for a, b in zip(thd["losses"], pad["losses"]):
         assert abs(a - b) <= 1e-4 * abs(b), (thd["losses"], pad["losses"])
-    packer = packer_tokens_per_s(args)
+    packer = packer_throughput(T=args.tokens)  # numpy: one core
     speedup = thd["tokens_per_s"] / pad["tokens_per_s"]
 
     print(
         f"llama/{args.flavor} fp32, {args.threads} threads, T={args.tokens}, lognormal lengths "
         f"mean {args.mean_len} sigma {args.sigma} clipped to [{args.min_len}, {args.max_len}], "
-        f"{args.steps} timed microbatches ({thd['real_tokens']} real tokens) after {args.warmup} warm-up"
+        f"{args.steps} timed microbatches ({thd['real_tokens']} real tokens) after {args.warmup} warm-up; "
+        f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
     )
-    header = ("variant", "real tok/s", "s/step", "slots", "padding", "peak MB", "Δ MB")
+    header = ("variant", "real tok/s", "s/step", "cpu s/step", "slots", "padding", "peak MB", "Δ MB")
     print(f"{header[0]:<8}" + "".join(f"{h:>11}" for h in header[1:]))
     for r in (thd, pad):
         print(
-            f"{r['variant']:<8}{r['tokens_per_s']:>11.0f}{r['seconds_per_step']:>11.2f}{r['slots']:>11}"
-            f"{1 - r['real_tokens'] / r['slots']:>11.1%}{r['peak_mb']:>11.0f}{r['peak_over_setup_mb']:>11.0f}"
+            f"{r['variant']:<8}{r['tokens_per_s']:>11.0f}{r['seconds_per_step']:>11.2f}"
+            f"{r['cpu_seconds_per_step']:>11.2f}{r['slots']:>11}{1 - r['real_tokens'] / r['slots']:>11.1%}"
+            f"{r['peak_mb']:>11.0f}{r['peak_over_setup_mb']:>11.0f}"
         )
-    print(f"speedup (thd / padded real tokens/s): {speedup:.2f}x")
-    packer_line = "titan_thd.data.packer not available yet" if packer is None else f"{packer:,.0f} tokens/s"
-    print(f"packer (1 thread): {packer_line}")
+    cpu_speedup = pad["cpu_seconds_per_step"] / thd["cpu_seconds_per_step"]
+    print(f"speedup (thd / padded real tokens/s): {speedup:.2f}x wall clock, {cpu_speedup:.2f}x CPU time")
+    print(f"packer (pack_microbatch, 1 core): {packer:,.0f} tokens/s")
     if args.json:
         figures = {
             "speedup": speedup,
@@ -213,6 +200,7 @@ def main() -> None:
             "thd_peak_mb": thd["peak_mb"],
             "padded_peak_mb": pad["peak_mb"],
             "packer_tokens_per_s": packer,
+            "speedup_cpu_time": cpu_speedup,
         }
         Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")
 
