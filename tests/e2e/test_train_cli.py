@@ -67,6 +67,21 @@ def test_two_ranks_reproduce_the_single_rank_losses(run20, tmp_path):
 
 
 @pytest.mark.slow
+def test_resume_from_checkpoint_continues_the_run(run20, tmp_path):
+    """Stop after step 2 (checkpoint), resume to step 4: the steps match the uninterrupted run."""
+    common = ["--config", CONFIG, *SMALL, "--checkpoint.enable", "true", "--lr_scheduler.total_steps", "20",
+              "--job.dump_folder", str(tmp_path), "--metrics.enable_tensorboard", "false"]
+    for steps in ("2", "4"):
+        proc = run_train(*common, "--training.steps", steps)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "checkpoint: resumed from" in proc.stderr
+    resumed, reference = records(tmp_path), records(run20[0])[:4]
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    for a, b in zip(resumed, reference):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6) and a["lr"] == pytest.approx(b["lr"], rel=1e-12)
+
+
+@pytest.mark.slow
 def test_fake_mode_dry_run_and_too_many_processes(tmp_path):
     proc = run_train("--config", CONFIG, *SMALL, "--job.dump_folder", str(tmp_path),
                      env={"COMM_MODE": "fake", "NGPU": "4"})
