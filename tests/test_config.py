@@ -16,7 +16,7 @@ def test_defaults_without_arguments():
 
 
 def test_precedence_cli_over_toml_over_defaults(tmp_path):
-    path = _toml(tmp_path, '[training]\nsteps = 7\nseed = 3\n[optimizer]\nlr = 1e-3\n')
+    path = _toml(tmp_path, "[training]\nsteps = 7\nseed = 3\n[optimizer]\nlr = 1e-3\n")
     cfg = load_config(["--job.config_file", path, "--training.steps", "9"])
     assert cfg.training.steps == 9  # CLI wins over TOML
     assert cfg.training.seed == 3  # TOML wins over the default
@@ -28,12 +28,23 @@ def test_precedence_cli_over_toml_over_defaults(tmp_path):
 
 
 def test_cli_value_forms():
-    cfg = load_config([
-        "--checkpoint.enable", "true", "--metrics.enable_tensorboard=False",
-        "--parallelism.data_parallel_shard_degree", "-1", "--training.seed", "-5",
-        "--optimizer.lr", "2e-4", "--training.steps=1_000", "--job.description=--not-a-flag",
-        "--data.mock_config", '{"mode": "file", "path": "x.csv"}',
-    ])
+    cfg = load_config(
+        [
+            "--checkpoint.enable",
+            "true",
+            "--metrics.enable_tensorboard=False",
+            "--parallelism.data_parallel_shard_degree",
+            "-1",
+            "--training.seed",
+            "-5",
+            "--optimizer.lr",
+            "2e-4",
+            "--training.steps=1_000",
+            "--job.description=--not-a-flag",
+            "--data.mock_config",
+            '{"mode": "file", "path": "x.csv"}',
+        ]
+    )
     assert cfg.checkpoint.enable is True and cfg.metrics.enable_tensorboard is False
     assert cfg.parallelism.data_parallel_shard_degree == -1 and cfg.training.seed == -5
     assert cfg.optimizer.lr == 2e-4 and cfg.training.steps == 1000
@@ -72,8 +83,14 @@ def test_cli_errors(argv, message):
         ("[training]\nmax_norm = true\n", r"training.max_norm: got True, expected a number"),
         ("[checkpoint]\nenable = 'true'\n", r"checkpoint.enable: got 'true', expected true or false"),
         ("[model]\nname = 3\n", r"model.name: got 3, expected a string"),
-        ("[optimiser]\nlr = 1.0\n", r"run.toml: unknown config section 'optimiser'. Did you mean 'optimizer'\?"),
-        ("[data]\ntokeniser = 'byte'\n", r"unknown key 'data.tokeniser'. Did you mean 'tokenizer'\?.*Valid keys"),
+        (
+            "[optimiser]\nlr = 1.0\n",
+            r"run.toml: unknown config section 'optimiser'. Did you mean 'optimizer'\?",
+        ),
+        (
+            "[data]\ntokeniser = 'byte'\n",
+            r"unknown key 'data.tokeniser'. Did you mean 'tokenizer'\?.*Valid keys",
+        ),
         ("steps = 3\n", r"top-level key 'steps' must be a \[section\] table"),
         ("[training\n", r"run.toml: invalid TOML"),
     ],
@@ -88,7 +105,10 @@ def test_toml_errors_name_the_file(tmp_path, text, message):
     "overrides, message",
     [
         ({"model.name": "gpt"}, r"model.name: got 'gpt', expected one of llama, dsv4"),
-        ({"training.planner": "greedy"}, r"training.planner: got 'greedy', expected one of balanced, dp_balanced"),
+        (
+            {"training.planner": "greedy"},
+            r"training.planner: got 'greedy', expected one of balanced, dp_balanced",
+        ),
         ({"training.steps": "0"}, r"training.steps: got 0, expected a positive value"),
         ({"training.global_batch_size": "-2"}, r"training.global_batch_size: got -2"),
         ({"training.tokens_per_microbatch": "0"}, r"training.tokens_per_microbatch: got 0"),
@@ -109,7 +129,10 @@ def test_toml_errors_name_the_file(tmp_path, text, message):
         ({"data.source": "jsonl"}, r"data.source = jsonl needs data.path"),
         ({"checkpoint.interval": "0"}, r"checkpoint.interval: got 0"),
         ({"checkpoint.keep_latest_k": "-1"}, r"checkpoint.keep_latest_k: got -1"),
-        ({"checkpoint.keep_latest_k": "1"}, r"checkpoint.keep_latest_k: got 1, expected 0 \(keep all\) or >= 2"),
+        (
+            {"checkpoint.keep_latest_k": "1"},
+            r"checkpoint.keep_latest_k: got 1, expected 0 \(keep all\) or >= 2",
+        ),
         ({"checkpoint.load_step": "-2"}, r"checkpoint.load_step: got -2, expected -1"),
         ({"metrics.log_freq": "0"}, r"metrics.log_freq: got 0"),
         ({"metrics.peak_tflops": "-1"}, r"metrics.peak_tflops: got -1.0"),
@@ -117,15 +140,21 @@ def test_toml_errors_name_the_file(tmp_path, text, message):
         ({"parallelism.context_parallel_degree": "0"}, r"parallelism.context_parallel_degree: got 0"),
         ({"parallelism.tensor_parallel_degree": "-1"}, r"parallelism.tensor_parallel_degree: got -1"),
         ({"parallelism.pipeline_parallel_degree": "0"}, r"parallelism.pipeline_parallel_degree: got 0"),
-        ({"parallelism.data_parallel_shard_degree": "0"}, r"data_parallel_shard_degree: got 0, expected -1 or >= 1"),
+        (
+            {"parallelism.data_parallel_shard_degree": "0"},
+            r"data_parallel_shard_degree: got 0, expected -1 or >= 1",
+        ),
         ({"parallelism.data_parallel_shard_degree": "-3"}, r"data_parallel_shard_degree: got -3"),
         (
             {"training.tokens_per_microbatch": "100", "data.pad_to_multiple": "8"},
             r"training.tokens_per_microbatch = 100 is not a multiple of data.pad_to_multiple = 8",
         ),
         (
-            {"training.tokens_per_microbatch": "100", "parallelism.context_parallel_degree": "3",
-             "parallelism.context_parallel_mode": "contiguous"},
+            {
+                "training.tokens_per_microbatch": "100",
+                "parallelism.context_parallel_degree": "3",
+                "parallelism.context_parallel_mode": "contiguous",
+            },
             r"tokens_per_microbatch = 100 is not divisible by 3 \(contiguous CP with degree 3\); .* above it is 102",
         ),
         (
@@ -167,12 +196,23 @@ def test_help_lists_every_field_with_its_doc():
 
 
 def test_print_config_round_trip(tmp_path):
-    cfg = load_config([
-        "--training.steps", "11", "--parallelism.data_parallel_shard_degree", "-1", "--optimizer.eps", "1e-10",
-        "--job.description", 'quote " and \\ backslash', "--checkpoint.enable", "true",
-        "--data.mock_config", '{"mode": "distribution", "type": "lognormal", "min_seq_len": 4, '
-        '"max_seq_len": 64, "mean_seq_len": 16, "lognormal_sigma": 0.5}',
-    ])
+    cfg = load_config(
+        [
+            "--training.steps",
+            "11",
+            "--parallelism.data_parallel_shard_degree",
+            "-1",
+            "--optimizer.eps",
+            "1e-10",
+            "--job.description",
+            'quote " and \\ backslash',
+            "--checkpoint.enable",
+            "true",
+            "--data.mock_config",
+            '{"mode": "distribution", "type": "lognormal", "min_seq_len": 4, '
+            '"max_seq_len": 64, "mean_seq_len": 16, "lognormal_sigma": 0.5}',
+        ]
+    )
     path = _toml(tmp_path, to_toml(cfg), "printed.toml")
     again = load_config(["--job.config_file", path])
     again.job.config_file = cfg.job.config_file

@@ -11,11 +11,25 @@ from titan_thd.train import Trainer, attention_cost_weight
 
 
 def _cfg(tmp_path, *extra):
-    return load_config([
-        "--data.source", "jsonl", "--data.path", "chat_sft.jsonl.gz", "--training.global_batch_size", "8",
-        "--training.tokens_per_microbatch", "512", "--training.steps", "2", "--metrics.enable_tensorboard", "false",
-        "--job.dump_folder", str(tmp_path), *extra,
-    ])
+    return load_config(
+        [
+            "--data.source",
+            "jsonl",
+            "--data.path",
+            "chat_sft.jsonl.gz",
+            "--training.global_batch_size",
+            "8",
+            "--training.tokens_per_microbatch",
+            "512",
+            "--training.steps",
+            "2",
+            "--metrics.enable_tensorboard",
+            "false",
+            "--job.dump_folder",
+            str(tmp_path),
+            *extra,
+        ]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -75,16 +89,37 @@ def test_attention_cost_weight_reads_the_flops_formula(trainer):
     "world, overrides, message",
     [
         ("2", ["--parallelism.tensor_parallel_degree", "2"], r"tensor parallelism is not implemented yet"),
-        ("2", ["--parallelism.pipeline_parallel_degree", "2"], r"pipeline parallelism is not implemented yet"),
-        ("1", ["--parallelism.data_parallel_shard_degree", "2"], r"multiply to 2 .* the world has 1 processes"),
-        ("2", ["--parallelism.data_parallel_shard_degree", "1"], r"multiply to 1 .* the world has 2 processes"),
         (
             "2",
-            ["--parallelism.context_parallel_degree", "2", "--parallelism.context_parallel_mode", "contiguous"],
+            ["--parallelism.pipeline_parallel_degree", "2"],
+            r"pipeline parallelism is not implemented yet",
+        ),
+        (
+            "1",
+            ["--parallelism.data_parallel_shard_degree", "2"],
+            r"multiply to 2 .* the world has 1 processes",
+        ),
+        (
+            "2",
+            ["--parallelism.data_parallel_shard_degree", "1"],
+            r"multiply to 1 .* the world has 2 processes",
+        ),
+        (
+            "2",
+            [
+                "--parallelism.context_parallel_degree",
+                "2",
+                "--parallelism.context_parallel_mode",
+                "contiguous",
+            ],
             r"context_parallel_mode = contiguous: model llama computes only zigzag exactly",
         ),
         ("1", ["--model.hf_path", "/ckpt"], r"model.hf_path = '/ckpt': initialising from a Hugging Face"),
-        ("1", ["--model.flavor", "huge"], r"model.flavor: got 'huge' for llama, expected one of debug, bench"),
+        (
+            "1",
+            ["--model.flavor", "huge"],
+            r"model.flavor: got 'huge' for llama, expected one of debug, bench",
+        ),
     ],
 )
 def test_user_errors_before_any_process_group(tmp_path, monkeypatch, world, overrides, message):

@@ -399,7 +399,9 @@ def validate(cfg: Config) -> None:
 
     def positive(key: str, value: float, allow_zero: bool = False) -> None:
         if value < 0 or (value == 0 and not allow_zero):
-            raise ValueError(f"{key}: got {value}, expected a {'non-negative' if allow_zero else 'positive'} value")
+            raise ValueError(
+                f"{key}: got {value}, expected a {'non-negative' if allow_zero else 'positive'} value"
+            )
 
     t, p = cfg.training, cfg.parallelism
     positive("training.steps", t.steps)
@@ -427,7 +429,9 @@ def validate(cfg: Config) -> None:
     if not 1 <= cfg.optimizer.muon_ns_steps < 100:
         raise ValueError(f"optimizer.muon_ns_steps: got {cfg.optimizer.muon_ns_steps}, expected 1..99")
     if cfg.checkpoint.load_step < -1:
-        raise ValueError(f"checkpoint.load_step: got {cfg.checkpoint.load_step}, expected -1 (newest) or a step >= 0")
+        raise ValueError(
+            f"checkpoint.load_step: got {cfg.checkpoint.load_step}, expected -1 (newest) or a step >= 0"
+        )
     if not 0.0 <= cfg.lr_scheduler.min_lr_factor <= 1.0:
         raise ValueError(f"lr_scheduler.min_lr_factor: got {cfg.lr_scheduler.min_lr_factor}, expected 0..1")
     if cfg.checkpoint.keep_latest_k == 1:
@@ -506,8 +510,6 @@ def help_text() -> str:
 
 def as_dict(cfg: Config) -> dict[str, dict[str, Any]]:
     return dataclasses.asdict(cfg)
-
-
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -83,13 +83,13 @@ class Trainer:
         flavor_args = get_model_args(cfg.model.name, cfg.model.flavor)
         if p.context_parallel_degree > 1 and p.context_parallel_mode not in self.spec.cp_modes:
             raise ValueError(
-                f"parallelism.context_parallel_mode = {p.context_parallel_mode}: model {cfg.model.name} computes "
-                f"only {', '.join(self.spec.cp_modes)} exactly"
+                f"parallelism.context_parallel_mode = {p.context_parallel_mode}: model {cfg.model.name} "
+                f"computes only {', '.join(self.spec.cp_modes)} exactly"
             )
         if cfg.model.hf_path:
             raise ValueError(
-                f"model.hf_path = {cfg.model.hf_path!r}: initialising from a Hugging Face checkpoint is not wired "
-                "into the trainer yet (leave it empty)"
+                f"model.hf_path = {cfg.model.hf_path!r}: initialising from a Hugging Face checkpoint is not "
+                "wired into the trainer yet (leave it empty)"
             )
         fake = cfg.comm.mode == "fake"
         world_size = int(os.environ.get("NGPU" if fake else "WORLD_SIZE", "1"))
@@ -186,18 +186,27 @@ class Trainer:
     # ------------------------------------------------------------------ loop phases
     def next_step_batch(self) -> StepBatch:
         step_batch = next(self.dataloader)
-        assert step_batch.step == self.step, (step_batch.step, self.step)  # data step s feeds optimizer step s + 1
+        assert step_batch.step == self.step, (
+            step_batch.step,
+            self.step,
+        )  # data step s feeds optimizer step s + 1
         return step_batch
 
-    def forward_backward(self, microbatch: PackedBatch, num_trained: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def forward_backward(
+        self, microbatch: PackedBatch, num_trained: int
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Forward and backward of one microbatch; returns its (CE sum, aux sums), detached.
 
         `num_trained` is the global trained-token count of the step (the only divisor).
         """
-        local = partition(microbatch, self.cp.size, self.cp.rank, self.cp.mode) if self.cp.enabled else microbatch
+        local = (
+            partition(microbatch, self.cp.size, self.cp.rank, self.cp.mode) if self.cp.enabled else microbatch
+        )
         meta = BatchMeta.from_batch(local, cp=self.cp, full=microbatch, device=self.dist.device)
         out = self.model(local.tokens.to(self.dist.device), meta)
-        ce = cross_entropy_sum(out.logits, local.labels.to(self.dist.device), local.loss_mask.to(self.dist.device))
+        ce = cross_entropy_sum(
+            out.logits, local.labels.to(self.dist.device), local.loss_mask.to(self.dist.device)
+        )
         loss = (ce + sum(out.aux_losses.values(), torch.zeros((), device=ce.device))) / num_trained
         loss.backward()
         return ce.detach(), {k: v.detach() for k, v in out.aux_losses.items()}
@@ -226,7 +235,9 @@ class Trainer:
         losses |= {k: dist_utils.dist_sum(v, loss_mesh) / num_trained for k, v in aux_sums.items()}
         return {"grad_norm": float(grad_norm), "lr": lr} | {k: float(v) for k, v in losses.items()}
 
-    def log(self, step_batch: StepBatch, result: dict[str, float], step_time: float, wall_time: float) -> None:
+    def log(
+        self, step_batch: StepBatch, result: dict[str, float], step_time: float, wall_time: float
+    ) -> None:
         aux = {k: v for k, v in result.items() if k not in ("loss", "grad_norm", "lr")}
         record = step_metrics(
             step=self.step,
@@ -277,22 +288,40 @@ class Trainer:
         logger.info("%s", c.job.description or "titan_thd")
         logger.info(
             "model %s/%s: %s parameters, vocab %d (tokenizer %d), dtype %s",
-            c.model.name, c.model.flavor, f"{count_params(self.model):,}", self.model_args.vocab_size,
-            self.tokenizer.vocab_size, c.training.dtype,
+            c.model.name,
+            c.model.flavor,
+            f"{count_params(self.model):,}",
+            self.model_args.vocab_size,
+            self.tokenizer.vocab_size,
+            c.training.dtype,
         )
         logger.info(
             "world %d on %s%s: dp %d, cp %d (%s), tp %d, pp %d",
-            d.world_size, self.dist.device, " (fake process group)" if self.dist.fake else "", d.dp, d.cp,
-            c.parallelism.context_parallel_mode, d.tp, d.pp,
+            d.world_size,
+            self.dist.device,
+            " (fake process group)" if self.dist.fake else "",
+            d.dp,
+            d.cp,
+            c.parallelism.context_parallel_mode,
+            d.tp,
+            d.pp,
         )
         counts = self.dataloader.overlong_counts
         logger.info(
             "data %s %s: %d samples; %d truncated, %d dropped (longer than T = %d); global batch %d",
-            c.data.source, c.data.path or c.data.mock_config, self.dataloader.steps.num_samples,
-            counts["truncated"], counts["dropped"], c.training.tokens_per_microbatch, c.training.global_batch_size,
+            c.data.source,
+            c.data.path or c.data.mock_config,
+            self.dataloader.steps.num_samples,
+            counts["truncated"],
+            counts["dropped"],
+            c.training.tokens_per_microbatch,
+            c.training.global_batch_size,
         )
-        logger.info("MFU peak %.3f TFLOP/s per rank (%s)", self.peak_tflops,
-                    "metrics.peak_tflops" if c.metrics.peak_tflops else "measured matmul peak")
+        logger.info(
+            "MFU peak %.3f TFLOP/s per rank (%s)",
+            self.peak_tflops,
+            "metrics.peak_tflops" if c.metrics.peak_tflops else "measured matmul peak",
+        )
 
 
 def attention_cost_weight(spec: ModelSpec, args: Any) -> float:

@@ -9,9 +9,21 @@ from titan_thd.config import Metrics
 
 def _record(step=3, **kw):
     args = dict(
-        step=step, loss=2.5, grad_norm=0.75, lr=1e-3, step_time=2.0, wall_time=10.0,
-        tokens_real=3000, tokens_trained=1200, tokens_slots=4096, flops=8e12,
-        num_microbatches=2, imbalance=1.05, world_size=2, peak_tflops=4.0, aux_losses={"mtp": 0.25},
+        step=step,
+        loss=2.5,
+        grad_norm=0.75,
+        lr=1e-3,
+        step_time=2.0,
+        wall_time=10.0,
+        tokens_real=3000,
+        tokens_trained=1200,
+        tokens_slots=4096,
+        flops=8e12,
+        num_microbatches=2,
+        imbalance=1.05,
+        world_size=2,
+        peak_tflops=4.0,
+        aux_losses={"mtp": 0.25},
     )
     args.update(kw)
     return M.step_metrics(**args)
@@ -24,12 +36,33 @@ def test_step_metrics_worked_values():
     assert r["tflops"] == pytest.approx(8e12 / 2.0 / 2 / 1e12)  # per rank: 2 TFLOP/s
     assert r["mfu"] == pytest.approx(50.0)  # percent of 4 TFLOP/s
     assert r["aux/mtp"] == 0.25
-    required = {"step", "loss", "grad_norm", "lr", "tps", "tokens_real", "tokens_slots", "padding_frac",
-                "tflops", "mfu", "num_microbatches", "imbalance", "wall_time"}
+    required = {
+        "step",
+        "loss",
+        "grad_norm",
+        "lr",
+        "tps",
+        "tokens_real",
+        "tokens_slots",
+        "padding_frac",
+        "tflops",
+        "mfu",
+        "num_microbatches",
+        "imbalance",
+        "wall_time",
+    }
     assert required <= set(r)
     assert _record(peak_tflops=0.0)["mfu"] == 0.0
     line = M.console_line(r)
-    for piece in ("step     3", "loss 2.5000", "aux/mtp 0.2500", "tps 1,500", "pad 26.8%", "mfu 50.0%", "mb 2"):
+    for piece in (
+        "step     3",
+        "loss 2.5000",
+        "aux/mtp 0.2500",
+        "tps 1,500",
+        "pad 26.8%",
+        "mfu 50.0%",
+        "mb 2",
+    ):
         assert piece in line
 
 
@@ -81,5 +114,7 @@ def test_peak_measured_once_and_shared_on_cpu(monkeypatch):
     monkeypatch.setattr(M.torch, "matmul", None)  # a second measurement would crash
     assert M.measure_matmul_tflops(torch.float32, torch.device("cpu")) == peak
     cpu = torch.device("cpu")
-    assert M.peak_tflops_per_rank(Metrics(), torch.float32, cpu, local_world_size=4) == pytest.approx(peak / 4)
+    assert M.peak_tflops_per_rank(Metrics(), torch.float32, cpu, local_world_size=4) == pytest.approx(
+        peak / 4
+    )
     assert M.peak_tflops_per_rank(Metrics(peak_tflops=7.0), torch.float32, cpu, local_world_size=4) == 7.0

@@ -68,7 +68,9 @@ def test_muon_gets_matrices_adamw_the_rest():
 
 
 def test_matrix_params_must_be_2d():
-    spec = ModelSpec(name="toy", flavors={}, build=None, flops_per_step=None, matrix_params=lambda m: ["proj.bias"])
+    spec = ModelSpec(
+        name="toy", flavors={}, build=None, flops_per_step=None, matrix_params=lambda m: ["proj.bias"]
+    )
     with pytest.raises(ValueError, match=r"Muon needs 2-D parameters.*proj\.bias"):
         build_optimizers([TinyLM()], Optimizer(name="muon"), spec)
 
@@ -130,8 +132,8 @@ def _dtensor_clip(rank, world_size):
         d.grad = distribute_tensor(p.grad, mesh, [pl])
         params.append(d)
     total = clip_grad_norm_(params, max_norm=0.5)
-    clipped = [p.grad.full_tensor() for p in params]
-    return float(total), clipped
+    # Plain lists: a tensor sent through the result queue shares memory with a process that exits.
+    return float(total), [p.grad.full_tensor().tolist() for p in params]
 
 
 @pytest.mark.slow
@@ -141,4 +143,4 @@ def test_clip_grad_norm_dtensor_two_ranks():
     for total, clipped in spawn(_dtensor_clip, 2):
         assert total == pytest.approx(float(ref_total), rel=1e-6)
         for got, p in zip(clipped, ref_params):
-            torch.testing.assert_close(got, p.grad, rtol=1e-6, atol=1e-7)
+            torch.testing.assert_close(torch.tensor(got), p.grad, rtol=1e-6, atol=1e-7)

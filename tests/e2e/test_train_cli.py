@@ -14,14 +14,25 @@ from titan_thd.train import main
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = "debug_dense_thd.toml"
 # Small steps of the debug config: 8 chat samples per step (~1,800 tokens), one or two microbatches.
-SMALL = ["--training.global_batch_size", "8", "--training.tokens_per_microbatch", "1024",
-         "--lr_scheduler.warmup_steps", "2", "--optimizer.lr", "3e-3", "--metrics.log_freq", "5"]
+SMALL = [
+    "--training.global_batch_size",
+    "8",
+    "--training.tokens_per_microbatch",
+    "1024",
+    "--lr_scheduler.warmup_steps",
+    "2",
+    "--optimizer.lr",
+    "3e-3",
+    "--metrics.log_freq",
+    "5",
+]
 
 
 def run_train(*args, env=None, timeout=600):
     full_env = {**os.environ, **(env or {})}
-    return subprocess.run(["./run_train.sh", *args], cwd=ROOT, env=full_env, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        ["./run_train.sh", *args], cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def records(dump: Path) -> list[dict]:
@@ -41,8 +52,21 @@ def test_twenty_steps_loss_falls_and_outputs_exist(run20):
     dump, proc = run20
     recs = records(dump)
     assert [r["step"] for r in recs] == list(range(1, 21))
-    keys = {"step", "loss", "grad_norm", "lr", "tps", "tokens_real", "tokens_slots", "padding_frac", "tflops",
-            "mfu", "num_microbatches", "imbalance", "wall_time"}
+    keys = {
+        "step",
+        "loss",
+        "grad_norm",
+        "lr",
+        "tps",
+        "tokens_real",
+        "tokens_slots",
+        "padding_frac",
+        "tflops",
+        "mfu",
+        "num_microbatches",
+        "imbalance",
+        "wall_time",
+    }
     assert keys <= set(recs[0])
     first = sum(r["loss"] for r in recs[:3]) / 3
     last = sum(r["loss"] for r in recs[-3:]) / 3
@@ -55,8 +79,18 @@ def test_twenty_steps_loss_falls_and_outputs_exist(run20):
 @pytest.mark.slow
 def test_two_ranks_reproduce_the_single_rank_losses(run20, tmp_path):
     """FSDP over 2 gloo ranks: same data, same init, global-token loss -> the same losses."""
-    proc = run_train("--config", CONFIG, *SMALL, "--training.steps", "3", "--job.dump_folder", str(tmp_path),
-                     "--metrics.enable_tensorboard", "false", env={"NGPU": "2"})
+    proc = run_train(
+        "--config",
+        CONFIG,
+        *SMALL,
+        "--training.steps",
+        "3",
+        "--job.dump_folder",
+        str(tmp_path),
+        "--metrics.enable_tensorboard",
+        "false",
+        env={"NGPU": "2"},
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     one, two = records(run20[0])[:3], records(tmp_path)
     for a, b in zip(one, two):
@@ -69,8 +103,19 @@ def test_two_ranks_reproduce_the_single_rank_losses(run20, tmp_path):
 @pytest.mark.slow
 def test_resume_from_checkpoint_continues_the_run(run20, tmp_path):
     """Stop after step 2 (checkpoint), resume to step 4: the steps match the uninterrupted run."""
-    common = ["--config", CONFIG, *SMALL, "--checkpoint.enable", "true", "--lr_scheduler.total_steps", "20",
-              "--job.dump_folder", str(tmp_path), "--metrics.enable_tensorboard", "false"]
+    common = [
+        "--config",
+        CONFIG,
+        *SMALL,
+        "--checkpoint.enable",
+        "true",
+        "--lr_scheduler.total_steps",
+        "20",
+        "--job.dump_folder",
+        str(tmp_path),
+        "--metrics.enable_tensorboard",
+        "false",
+    ]
     for steps in ("2", "4"):
         proc = run_train(*common, "--training.steps", steps)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -78,18 +123,28 @@ def test_resume_from_checkpoint_continues_the_run(run20, tmp_path):
     resumed, reference = records(tmp_path), records(run20[0])[:4]
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
     for a, b in zip(resumed, reference):
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6) and a["lr"] == pytest.approx(b["lr"], rel=1e-12)
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6) and a["lr"] == pytest.approx(
+            b["lr"], rel=1e-12
+        )
 
 
 @pytest.mark.slow
 def test_fake_mode_dry_run_and_too_many_processes(tmp_path):
-    proc = run_train("--config", CONFIG, *SMALL, "--job.dump_folder", str(tmp_path),
-                     env={"COMM_MODE": "fake", "NGPU": "4"})
+    proc = run_train(
+        "--config", CONFIG, *SMALL, "--job.dump_folder", str(tmp_path), env={"COMM_MODE": "fake", "NGPU": "4"}
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "world 4 on cpu (fake process group): dp 4" in proc.stderr
     assert [r["step"] for r in records(tmp_path)] == [1]
-    proc = run_train("--config", CONFIG, "--parallelism.data_parallel_shard_degree", "1",
-                     "--job.dump_folder", str(tmp_path), env={"COMM_MODE": "fake", "NGPU": "2"})
+    proc = run_train(
+        "--config",
+        CONFIG,
+        "--parallelism.data_parallel_shard_degree",
+        "1",
+        "--job.dump_folder",
+        str(tmp_path),
+        env={"COMM_MODE": "fake", "NGPU": "2"},
+    )
     assert proc.returncode == 2
     assert "parallel degrees multiply to 1" in proc.stderr and "the world has 2 processes" in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -104,7 +159,11 @@ def test_bad_key_and_missing_config_are_clear_errors():
     assert proc.returncode == 2
     assert "config 'no_such.toml' not found" in proc.stderr and CONFIG in proc.stderr
     proc = run_train("--training.steps", "3")
-    assert proc.returncode == 2 and "usage: ./run_train.sh --config NAME" in proc.stderr and CONFIG in proc.stderr
+    assert (
+        proc.returncode == 2
+        and "usage: ./run_train.sh --config NAME" in proc.stderr
+        and CONFIG in proc.stderr
+    )
 
 
 def test_main_help_print_config_and_user_errors(capsys, tmp_path):
@@ -120,12 +179,27 @@ def test_main_help_print_config_and_user_errors(capsys, tmp_path):
     assert main(["--job.config_file", config, "--data.overlong", "cut"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: data.overlong: got 'cut', expected one of truncate, drop")
-    assert main(["--job.config_file", config, "--data.path", "/no/such/file.jsonl",
-                 "--job.dump_folder", str(tmp_path)]) == 2
+    assert (
+        main(
+            [
+                "--job.config_file",
+                config,
+                "--data.path",
+                "/no/such/file.jsonl",
+                "--job.dump_folder",
+                str(tmp_path),
+            ]
+        )
+        == 2
+    )
     assert "/no/such/file.jsonl" in capsys.readouterr().err
 
 
 def test_config_module_preflight():
-    proc = subprocess.run([sys.executable, "-m", "titan_thd.config", "--training.seed", "-3"],
-                          capture_output=True, text=True, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-m", "titan_thd.config", "--training.seed", "-3"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0 and "seed = -3" in proc.stdout

@@ -152,7 +152,9 @@ class MetricsLogger:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         kept = []
         if first_step > 1 and self.path.exists():
-            kept = [line for line in self.path.read_text().splitlines() if json.loads(line)["step"] < first_step]
+            kept = [
+                line for line in self.path.read_text().splitlines() if json.loads(line)["step"] < first_step
+            ]
         self.jsonl = open(self.path, "w")
         self.jsonl.writelines(line + "\n" for line in kept)
 

@@ -12,7 +12,8 @@ Muon uses `adjust_lr_fn="match_rms_adamw"`, so one `optimizer.lr` suits both hal
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -82,7 +83,9 @@ class OptimizersContainer:
             set_optimizer_state_dict(part, opts, state, options=_FLAT)
 
 
-def build_optimizers(model_parts: list[nn.Module], cfg: OptimizerConfig, spec: ModelSpec) -> OptimizersContainer:
+def build_optimizers(
+    model_parts: list[nn.Module], cfg: OptimizerConfig, spec: ModelSpec
+) -> OptimizersContainer:
     """AdamW over every parameter, or (`optimizer.name = muon`) Muon over the model's matrices."""
     per_part: list[list[torch.optim.Optimizer]] = []
     for part in model_parts:
@@ -110,7 +113,9 @@ def build_optimizers(model_parts: list[nn.Module], cfg: OptimizerConfig, spec: M
 
 @torch.no_grad()
 def clip_grad_norm_(
-    parameters: Iterable[torch.Tensor], max_norm: float, pp_group: torch.distributed.ProcessGroup | None = None
+    parameters: Iterable[torch.Tensor],
+    max_norm: float,
+    pp_group: torch.distributed.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """Global L2 norm of all gradients (DTensor-aware); scale them to `max_norm` if it is > 0.
 
