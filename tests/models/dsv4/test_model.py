@@ -286,3 +286,15 @@ def test_flops_counts_match_brute_force():
     assert spec.flops_per_step(args, [4096]) > 2 * one  # attention grows with document length
     six_n = 6 * count_params(spec.build(dataclasses.replace(args, n_experts=args.n_activated_experts + 1)))
     assert 0.3 < one / 2048 / six_n < 3  # same order as 6 x (active params) per token
+
+
+def test_bfloat16_step_runs_and_keeps_the_balancing_bias_in_float32():
+    args = micro()
+    model = build(args, dtype=torch.bfloat16).train()
+    gate = model.router_gates()[0]
+    assert gate.bias.dtype == torch.float32 and gate.load.dtype == torch.long
+    tokens, batch = packed(**DOCS, vocab=args.vocab_size)
+    total, logits, aux = losses(model, tokens, batch)
+    assert logits.dtype == torch.bfloat16 and torch.isfinite(total)
+    total.backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)

@@ -14,7 +14,6 @@ from titan_thd.models.dsv4.args import DSv4Args, flavors
 from titan_thd.models.dsv4.flops import flops_per_step
 from titan_thd.models.dsv4.hf_interop import export_hf, load_hf, load_hf_into
 from titan_thd.models.dsv4.model import DSv4Model, build_dsv4
-from titan_thd.models.dsv4.moe import Gate
 from titan_thd.models.dsv4.parallelize import parallelize_dsv4
 from titan_thd.models.spec import ModelSpec
 
@@ -31,10 +30,8 @@ def matrix_params(model: nn.Module) -> list[str]:
 
 def update_router_bias(model: nn.Module, reduce_group: torch.distributed.ProcessGroup | None) -> None:
     """After each optimizer step: nudge every learned router's bias towards balanced expert load."""
-    gates = [m for m in model.modules() if isinstance(m, Gate) and not m.hash_routed]
-    rate = getattr(model, "args", None).router_bias_update_rate if gates else 0.0
-    for gate in gates:
-        gate.update_bias(rate, reduce_group)
+    for gate in model.router_gates():
+        gate.update_bias(reduce_group)
 
 
 spec = ModelSpec(

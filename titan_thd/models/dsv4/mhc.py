@@ -17,7 +17,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from titan_thd.models.dsv4.norm import rms_norm
 
 
 def sinkhorn(logits_TNN: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
@@ -46,19 +45,29 @@ class HyperConnection(nn.Module):
     def forward(self, h_TND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(x_TD sub-layer input, post_TN, comb_TNN)."""
         n = self.n
-        mix = F.linear(rms_norm(h_TND.flatten(1), self.norm_eps), self.fn.to(torch.promote_types(h_TND.dtype, torch.float32)))
-        pre_TN, post_TN, comb_TM = mix.split([n, n, n * n], dim=-1)
+        pre_TN, post_TN, comb_TM = _mix(h_TND, self.fn, self.norm_eps).split([n, n, n * n], dim=-1)
         b_pre, b_post, b_comb = self.base.split([n, n, n * n])
         pre_TN = torch.sigmoid(pre_TN * self.scale[0] + b_pre) + self.hc_eps
         post_TN = 2 * torch.sigmoid(post_TN * self.scale[1] + b_post)
         comb_TNN = sinkhorn((comb_TM * self.scale[2] + b_comb).view(-1, n, n), self.iters, self.hc_eps)
-        x_TD = (pre_TN[..., None] * h_TND).sum(1).to(h_TND.dtype)
-        return x_TD, post_TN.to(h_TND.dtype), comb_TNN.to(h_TND.dtype)
+        return _collapse(pre_TN, h_TND), post_TN.to(h_TND.dtype), comb_TNN.to(h_TND.dtype)
+
+
+def _mix(h_TND: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm(flatten(h)) @ fn^T, as (flatten(h) @ fn^T) * rsqrt(mean(h^2) + eps): the same
+    value without materialising the normalised [T, N*d] copy."""
+    flat = h_TND.flatten(1).to(torch.promote_types(h_TND.dtype, torch.float32))
+    return F.linear(flat, fn.to(flat.dtype)) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + eps)
+
+
+def _collapse(pre_TN: torch.Tensor, h_TND: torch.Tensor) -> torch.Tensor:
+    """sum_j pre_j h_j -> [T, d]."""
+    return torch.bmm(pre_TN.to(h_TND.dtype)[:, None, :], h_TND)[:, 0]
 
 
 def hc_post(y_TD: torch.Tensor, h_TND: torch.Tensor, post_TN: torch.Tensor, comb_TNN: torch.Tensor) -> torch.Tensor:
     """New streams: post_k * y + sum_j comb[j, k] h_j."""
-    return post_TN[..., None] * y_TD[:, None, :] + torch.bmm(comb_TNN.transpose(1, 2), h_TND)
+    return post_TN[..., None] * y_TD[:, None, :] + torch.einsum("tjk,tjd->tkd", comb_TNN, h_TND)
 
 
 class HyperHead(nn.Module):
@@ -70,6 +79,5 @@ class HyperHead(nn.Module):
         self.scale = nn.Parameter(torch.ones(1))
 
     def forward(self, h_TND: torch.Tensor) -> torch.Tensor:
-        mix_TN = F.linear(rms_norm(h_TND.flatten(1), self.norm_eps), self.fn.to(torch.promote_types(h_TND.dtype, torch.float32)))
-        pre_TN = torch.sigmoid(mix_TN * self.scale + self.base) + self.hc_eps
-        return (pre_TN[..., None] * h_TND).sum(1).to(h_TND.dtype)
+        pre_TN = torch.sigmoid(_mix(h_TND, self.fn, self.norm_eps) * self.scale + self.base) + self.hc_eps
+        return _collapse(pre_TN, h_TND)

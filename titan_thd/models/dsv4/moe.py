@@ -41,6 +41,7 @@ class Gate(nn.Module):
     def __init__(self, args: DSv4Args, hash_routed: bool):
         super().__init__()
         self.topk, self.route_scale, self.hash_routed = args.n_activated_experts, args.route_scale, hash_routed
+        self.bias_update_rate = args.router_bias_update_rate
         self.weight = nn.Parameter(torch.empty(args.n_experts, args.dim))
         if hash_routed:
             # Frozen token id -> experts table: part of the checkpoint, never trained.
@@ -49,7 +50,15 @@ class Gate(nn.Module):
             # Aux-loss-free balancing: the bias changes which experts are chosen, never their weights;
             # `load` counts the real tokens routed to each expert since the last bias update.
             self.register_buffer("bias", torch.zeros(args.n_experts))
-            self.register_buffer("load", torch.zeros(args.n_experts), persistent=False)
+            self.register_buffer("load", torch.zeros(args.n_experts, dtype=torch.long), persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        # The balancing bias stays float32 when the model is cast (e.g. to bfloat16): steps of
+        # rate 1e-3 would vanish in bfloat16's 8-bit mantissa.
+        super()._apply(fn, recurse)
+        if not self.hash_routed and self.bias.is_floating_point() and self.bias.dtype != torch.float32:
+            self.bias = self.bias.float()
+        return self
 
     def forward(self, x_TD: torch.Tensor, tokens_T: torch.Tensor, real_T: torch.Tensor):
         """(experts_Tk, weights_Tk)."""
@@ -60,18 +69,19 @@ class Gate(nn.Module):
         else:
             experts_Tk = torch.topk(scores_TE + self.bias, self.topk, dim=-1, sorted=False).indices
             if self.training:
-                self.load += torch.bincount(experts_Tk[real_T].flatten(), minlength=self.load.numel()).to(self.load)
+                self.load += torch.bincount(experts_Tk[real_T].flatten(), minlength=self.load.numel())
         weights_Tk = scores_TE.gather(1, experts_Tk)
         weights_Tk = weights_Tk / (weights_Tk.sum(-1, keepdim=True) + 1e-20) * self.route_scale
         return experts_Tk, weights_Tk
 
     @torch.no_grad()
-    def update_bias(self, rate: float, group: dist.ProcessGroup | None) -> None:
+    def update_bias(self, group: dist.ProcessGroup | None) -> None:
         """b_e += rate * sign(mean load - load_e) over the whole data-parallel step, then reset."""
         load = self.load.clone()
         if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
             dist.all_reduce(load, group=group)
-        self.bias += rate * torch.sign(load.mean() - load)
+        load = load.to(self.bias.dtype)
+        self.bias += self.bias_update_rate * torch.sign(load.mean() - load)
         self.load.zero_()
 
 
