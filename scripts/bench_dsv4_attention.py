@@ -1,7 +1,7 @@
 """Forward+backward time per token of one dsv4 attention layer of each type at growing T.
 
     .venv/bin/python scripts/bench_dsv4_attention.py [--flavor tiny] [--doc-len 2048 | --lognormal]
-        [--tokens 2048,4096,8192,16384] [--repeats 3] [--threads N] [--json out.json]
+        [--tokens 2048,4096,8192,16384] [--repeats 3] [--threads N] [--model] [--json out.json]
 
 One attention layer (sliding / csa / hca) of the flavor on a packed microbatch of T tokens made of
 documents of `--doc-len` tokens (default 2048, the last one shorter if T is not a multiple), or of
@@ -9,13 +9,16 @@ lognormal lengths (median 1024, sigma 1, clipped to 64..T) with `--lognormal`. C
 training: indexer selection plus its sparse KL loss. The per-microbatch index plan is built once
 beforehand (all layers share it) and is not timed. The time is the median of `--repeats` runs after
 one warm-up. Project bar: sliding and CSA cost per token flat within +-20% from 2k to 16k tokens.
+`--model` also times the whole model (all layers, MTP and the indexer loss, train mode, byte-
+tokenizer vocabulary 320) at the first T: parameters and forward+backward tokens/s.
 Output: a table, and with --json {"per_token_us": {"sliding": {"2048": us, ...}, "csa": ..., "hca": ...},
-"config": {...}}.
+"config": {...}} (plus "model": {"params": n, "tokens": T, "tokens_per_s": x} with --model).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -24,7 +27,7 @@ import torch
 
 from titan_thd.data.packed_batch import PackedBatch
 from titan_thd.models.batch_meta import BatchMeta
-from titan_thd.models.dsv4 import flavors
+from titan_thd.models.dsv4 import build_dsv4, flavors
 from titan_thd.models.dsv4.attention import Attention
 from titan_thd.models.dsv4.plans import get_plan
 
@@ -35,7 +38,11 @@ def doc_lengths(T: int, doc_len: int, lognormal: bool, gen: torch.Generator) -> 
     lengths = []
     while sum(lengths) < T:
         if lognormal:
-            n = int(torch.empty(1).log_normal_(mean=float(torch.log(torch.tensor(1024.0))), std=1.0, generator=gen))
+            n = int(
+                torch.empty(1).log_normal_(
+                    mean=float(torch.log(torch.tensor(1024.0))), std=1.0, generator=gen
+                )
+            )
             n = max(64, n)
         else:
             n = doc_len
@@ -65,6 +72,28 @@ def time_layer(attn: Attention, x: torch.Tensor, plan, repeats: int) -> float:
     return statistics.median(times)
 
 
+def time_model(args, lengths: list[int], repeats: int) -> tuple[int, float]:
+    """(parameters, forward+backward tokens/s) of the whole model in train mode."""
+    model = build_dsv4(dataclasses.replace(args, vocab_size=320)).train()
+    meta = make_meta(lengths)
+    T = meta.total_tokens
+    tokens = torch.randint(0, 320, (T,))
+    meta.labels_full = torch.roll(tokens, -1)
+    meta.loss_mask_full = torch.ones(T, dtype=torch.bool)
+    times = []
+    for i in range(repeats + 1):
+        model.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        out = model(tokens, meta)
+        (
+            torch.nn.functional.cross_entropy(out.logits, meta.labels_full, reduction="sum")
+            + sum(out.aux_losses.values())
+        ).backward()
+        if i:
+            times.append(time.perf_counter() - t0)
+    return sum(p.numel() for p in model.parameters()), T / statistics.median(times)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--flavor", default="tiny", choices=sorted(flavors))
@@ -73,6 +102,7 @@ def main() -> None:
     p.add_argument("--lognormal", action="store_true")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
+    p.add_argument("--model", action="store_true", help="also time the whole model at the first T")
     p.add_argument("--json", default="")
     opts = p.parse_args()
     if opts.threads:
@@ -95,13 +125,28 @@ def main() -> None:
     for T in Ts:
         print(f"{T:>7} | " + " | ".join(f"{result[k][str(T)]:>12.1f}" for k in KINDS))
     base = str(Ts[0])
-    print("ratio to T=%s: " % base + ", ".join(
-        f"{k} {max(result[k].values()) / result[k][base]:.2f}x max / {min(result[k].values()) / result[k][base]:.2f}x min"
-        for k in KINDS))
+    spread = {
+        k: (max(result[k].values()) / result[k][base], min(result[k].values()) / result[k][base])
+        for k in KINDS
+    }
+    print(
+        f"ratio to T={base}: "
+        + ", ".join(f"{k} {hi:.2f}x max / {lo:.2f}x min" for k, (hi, lo) in spread.items())
+    )
+    report = {"per_token_us": result}
+    if opts.model:
+        params, tps = time_model(args, doc_lengths(Ts[0], opts.doc_len, opts.lognormal, gen), opts.repeats)
+        print(f"whole {opts.flavor} model (vocab 320): {params:,} parameters, {tps:.0f} tokens/s fwd+bwd")
+        report["model"] = {"params": params, "tokens": Ts[0], "tokens_per_s": tps}
     if opts.json:
-        config = {"flavor": opts.flavor, "documents": docs, "threads": torch.get_num_threads(), "repeats": opts.repeats}
+        report["config"] = {
+            "flavor": opts.flavor,
+            "documents": docs,
+            "threads": torch.get_num_threads(),
+            "repeats": opts.repeats,
+        }
         with open(opts.json, "w") as f:
-            json.dump({"per_token_us": result, "config": config}, f, indent=2)
+            json.dump(report, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -64,8 +64,11 @@ def to_hf(dcp_dir: Path, out: Path, flavor: str | None, hf_config: Path | None, 
     missing = [f"model.{k}" for k in state["model"] if f"model.{k}" not in metadata]
     if missing:
         raise ValueError(f"{dcp_dir} lacks {len(missing)} tensors of this architecture, e.g. {missing[:5]}")
-    shapes = [f"model.{k}: checkpoint {tuple(metadata[f'model.{k}'].size)} vs {tuple(v.shape)}"
-              for k, v in state["model"].items() if tuple(metadata[f"model.{k}"].size) != tuple(v.shape)]
+    shapes = [
+        f"model.{k}: checkpoint {tuple(metadata[f'model.{k}'].size)} vs {tuple(v.shape)}"
+        for k, v in state["model"].items()
+        if tuple(metadata[f"model.{k}"].size) != tuple(v.shape)
+    ]
     if shapes:
         raise ValueError(f"{dcp_dir} does not have this architecture's shapes: " + "; ".join(shapes[:5]))
     with warnings.catch_warnings():

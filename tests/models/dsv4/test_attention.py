@@ -20,7 +20,7 @@ from titan_thd.models.dsv4.rope import cos_sin, inv_freq
 from titan_thd.models.dsv4.sparse_attention import dense_reference, sparse_mqa
 
 LAYER = {"sliding": "0", "csa": "1", "hca": "2"}  # micro layer types: sliding, csa, hca, csa
-DOCS = dict(lengths=[3, 37, 70, 16], pad_to=8, tail=13)  # < window, not /4, several HCA entries, == m'
+DOCS = {"lengths": [3, 37, 70, 16], "pad_to": 8, "tail": 13}  # < window, not /4, several HCA entries, == m'
 
 
 def allowed_mask(batch, args, kind: str) -> torch.Tensor:
@@ -28,7 +28,9 @@ def allowed_mask(batch, args, kind: str) -> torch.Tensor:
     entry w of a document (floor(L/m) entries) visible from its last token (w+1)m-1 on."""
     T = batch.total_tokens
     rows = []  # (doc, pos, real length) per row
-    for d, (start, end) in enumerate(zip(batch.cu_seqlens_padded[:-1].tolist(), batch.cu_seqlens_padded[1:].tolist())):
+    for d, (start, end) in enumerate(
+        zip(batch.cu_seqlens_padded[:-1].tolist(), batch.cu_seqlens_padded[1:].tolist())
+    ):
         rows += [(d, t - start, int(batch.seqlens[d])) for t in range(start, end)]
     entries = []  # (doc, w)
     m = args.ratios.get(kind, 0)
@@ -90,8 +92,12 @@ def test_keys_follow_thd_rules_and_sparse_equals_dense(kind, monkeypatch):
     tokens, batch = packed(**DOCS, vocab=args.vocab_size)
     calls = capture_core(monkeypatch)
     with torch.no_grad():
-        model.layers[LAYER[kind]](model.embed(tokens)[:, None].expand(-1, 4, -1), tokens,
-                                  get_plan(meta(batch), args, torch.float64), False)
+        model.layers[LAYER[kind]](
+            model.embed(tokens)[:, None].expand(-1, 4, -1),
+            tokens,
+            get_plan(meta(batch), args, torch.float64),
+            False,
+        )
     q, kv, idx, sink, scale = calls[0]
     allowed = allowed_mask(batch, args, kind)
     got = torch.zeros_like(allowed)
@@ -144,7 +150,7 @@ def test_compressor_receptive_fields(kind, ratio):
     comp = Compressor(args.dim, 16, ratio, overlap, args.norm_eps).double()
     with torch.no_grad():
         comp.ape.normal_()
-    tokens, batch = packed(lengths=[13, 9, 40], pad_to=4, vocab=args.vocab_size)
+    _tokens, batch = packed(lengths=[13, 9, 40], pad_to=4, vocab=args.vocab_size)
     plan = get_plan(meta(batch), args, torch.float64).compress[kind]
     x = torch.randn(batch.total_tokens, args.dim, dtype=torch.float64, requires_grad=True)
     entries = comp(x, plan)
@@ -153,7 +159,9 @@ def test_compressor_receptive_fields(kind, ratio):
         for w in range(L // ratio):
             (grad,) = torch.autograd.grad(entries[c].sum(), x, retain_graph=True)
             lo = start + (w - 1) * ratio if overlap and w > 0 else start + w * ratio
-            assert (grad.abs().sum(1) != 0).nonzero().flatten().tolist() == list(range(lo, start + (w + 1) * ratio))
+            assert (grad.abs().sum(1) != 0).nonzero().flatten().tolist() == list(
+                range(lo, start + (w + 1) * ratio)
+            )
             c += 1
     assert c == entries.shape[0]
 
@@ -179,8 +187,10 @@ def test_rope_shift_invariance(kind):
     args = micro()
     model = build(args).eval()
     attn = model.layers[LAYER[kind]].attn
-    tokens, batch = packed(lengths=[70, 33], vocab=args.vocab_size)
-    x = torch.randn(batch.total_tokens, args.dim, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    _tokens, batch = packed(lengths=[70, 33], vocab=args.vocab_size)
+    x = torch.randn(
+        batch.total_tokens, args.dim, dtype=torch.float64, generator=torch.Generator().manual_seed(0)
+    )
     plan = get_plan(meta(batch), args, torch.float64)
     shift = 3 * args.hca_ratio
     shifted = dataclasses.replace(
@@ -188,8 +198,11 @@ def test_rope_shift_invariance(kind):
         rope_main=cos_sin(plan.pos_T + shift, inv_freq(args, False, torch.float64)),
         rope_comp=cos_sin(plan.pos_T + shift, inv_freq(args, True, torch.float64)),
         compress={
-            k: dataclasses.replace(cp, cos_CR=cos_sin(cp.pos_C + shift, inv_freq(args, True, torch.float64))[0],
-                                   sin_CR=cos_sin(cp.pos_C + shift, inv_freq(args, True, torch.float64))[1])
+            k: dataclasses.replace(
+                cp,
+                cos_CR=cos_sin(cp.pos_C + shift, inv_freq(args, True, torch.float64))[0],
+                sin_CR=cos_sin(cp.pos_C + shift, inv_freq(args, True, torch.float64))[1],
+            )
             for k, cp in plan.compress.items()
         },
     )

@@ -26,29 +26,53 @@ TOL = 1e-5
 
 
 def hf_config(**overrides):
-    kwargs = dict(
-        vocab_size=97, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
-        head_dim=32, q_lora_rank=32, num_experts_per_tok=2, n_routed_experts=4, o_groups=2, o_lora_rank=16,
+    kwargs = {
+        "vocab_size": 97,
+        "hidden_size": 64,
+        "moe_intermediate_size": 32,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "head_dim": 32,
+        "q_lora_rank": 32,
+        "num_experts_per_tok": 2,
+        "n_routed_experts": 4,
+        "o_groups": 2,
+        "o_lora_rank": 16,
         # Exact indexer score ties happen when every head's ReLU is 0 (probability 2^-heads per entry).
         # On a tie transformers' plain topk picks an arbitrary entry, ours the lower index (so that the
         # choice cannot depend on what else is packed); 32 heads make ties practically impossible so
         # both pick the same set and the comparison is like with like.
-        index_n_heads=32, index_head_dim=16, index_topk=4, sliding_window=8,
-        layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
-                     "compressed_sparse_attention"],
-        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
-        mlp_layer_types=["hash_moe", "moe", "moe", "moe"], partial_rotary_factor=0.25,
-        rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
-                         "beta_fast": 32, "beta_slow": 1},
-        compress_rope_theta=40000.0, max_position_embeddings=256, dtype="float32",
-    )
+        "index_n_heads": 32,
+        "index_head_dim": 16,
+        "index_topk": 4,
+        "sliding_window": 8,
+        "layer_types": [
+            "sliding_attention",
+            "compressed_sparse_attention",
+            "heavily_compressed_attention",
+            "compressed_sparse_attention",
+        ],
+        "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
+        "mlp_layer_types": ["hash_moe", "moe", "moe", "moe"],
+        "partial_rotary_factor": 0.25,
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 64,
+            "beta_fast": 32,
+            "beta_slow": 1,
+        },
+        "compress_rope_theta": 40000.0,
+        "max_position_embeddings": 256,
+        "dtype": "float32",
+    }
     kwargs.update(overrides)
     return transformers.DeepseekV4Config(**kwargs)
 
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
-    """A random transformers model (every parameter and buffer perturbed, hash tables random) saved to disk."""
+    """A random transformers model (all parameters and buffers perturbed, random hash tables), saved."""
     torch.manual_seed(0)
     hf = transformers.DeepseekV4ForCausalLM(hf_config()).eval()
     g = torch.Generator().manual_seed(1)
@@ -138,18 +162,25 @@ def test_missing_and_misshaped_tensors_are_named(hf_dir, tmp_path):
         load_hf(tmp_path)
     state["model.layers.2.attn.compressor.ape"] = torch.zeros(3, 3)
     safetensors.save_file(state, tmp_path / "model.safetensors")
-    with pytest.raises(ValueError, match=r"wrong shape: layers.2.attn.compressor.ape: \(3, 3\) vs model \(16, 32\)"):
+    with pytest.raises(
+        ValueError, match=r"wrong shape: layers.2.attn.compressor.ape: \(3, 3\) vs model \(16, 32\)"
+    ):
         load_hf(tmp_path)
 
 
 def test_bad_configs_are_rejected(hf_dir):
     cfg = json.loads((hf_dir[0] / "config.json").read_text())
     with pytest.raises(ValueError, match="unknown layer_types"):
-        args_from_hf_config({**cfg, "layer_types": ["sliding_attention", "dense", "sliding_attention",
-                                                    "sliding_attention"]})
+        args_from_hf_config(
+            {**cfg, "layer_types": ["sliding_attention", "dense", "sliding_attention", "sliding_attention"]}
+        )
     legacy = {k: v for k, v in cfg.items() if k not in ("layer_types", "compress_rates")}
     assert args_from_hf_config({**legacy, "compress_ratios": [0, 4, 128, 4, 0]}).layer_types == (
-        "sliding", "csa", "hca", "csa")
+        "sliding",
+        "csa",
+        "hca",
+        "csa",
+    )
     with pytest.raises(ValueError, match=r"unknown compress_ratios \[\(2, 8\)\]"):
         args_from_hf_config({**legacy, "compress_ratios": [0, 4, 8, 4]})
     with pytest.raises(ValueError, match="num_key_value_heads = 2"):
@@ -166,8 +197,18 @@ def test_convert_hf_dcp_round_trip(hf_dir, ours, tmp_path):
     spec.loader.exec_module(convert)
     model, _ = ours
     assert convert.main(["to-dcp", str(hf_dir[0]), str(tmp_path / "dcp")]) == 0
-    assert convert.main(["to-hf", str(tmp_path / "dcp"), str(tmp_path / "hf"),
-                         "--hf-config", str(tmp_path / "dcp" / "config.json")]) == 0
+    assert (
+        convert.main(
+            [
+                "to-hf",
+                str(tmp_path / "dcp"),
+                str(tmp_path / "hf"),
+                "--hf-config",
+                str(tmp_path / "dcp" / "config.json"),
+            ]
+        )
+        == 0
+    )
     back, _ = load_hf(tmp_path / "hf")
     for (k, a), (k2, b) in zip(model.state_dict().items(), back.state_dict().items()):
         if not k.startswith("mtp."):  # the source has no MTP weights: those are freshly initialised

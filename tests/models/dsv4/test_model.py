@@ -19,13 +19,15 @@ from titan_thd.models.dsv4.moe import Gate
 from titan_thd.models.dsv4.mtp import mtp_inputs_targets
 from titan_thd.models.spec import count_params
 
-DOCS = dict(lengths=[3, 37, 70, 16], pad_to=8, tail=13)
+DOCS = {"lengths": [3, 37, 70, 16], "pad_to": 8, "tail": 13}
 
 
 def losses(model, tokens, batch):
     """(total loss, logits, aux) with the trainer's convention: CE sum over trained labels + aux sums."""
     out = model(tokens, meta(batch))
-    ce = F.cross_entropy(out.logits, batch.labels.masked_fill(~batch.loss_mask, IGNORE_INDEX), reduction="sum")
+    ce = F.cross_entropy(
+        out.logits, batch.labels.masked_fill(~batch.loss_mask, IGNORE_INDEX), reduction="sum"
+    )
     return ce + sum(out.aux_losses.values()), out.logits, out.aux_losses
 
 
@@ -46,10 +48,9 @@ def test_packed_forward_backward_equals_documents_alone():
         total1, logits1, aux1 = losses(model, t1, b1)
         total1.backward()
         torch.testing.assert_close(logits[rows], logits1, rtol=0, atol=1e-12)
-        for k in aux_sum:
-            aux_sum[k] = aux_sum[k] + aux1[k].detach()
-    for k in aux_sum:
-        torch.testing.assert_close(aux[k].detach(), aux_sum[k], rtol=1e-12, atol=0)
+        aux_sum = {k: total + aux1[k].detach() for k, total in aux_sum.items()}
+    for k, total in aux_sum.items():
+        torch.testing.assert_close(aux[k].detach(), total, rtol=1e-12, atol=0)
     alone_grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     assert sorted(alone_grads) == sorted(packed_grads)
     for n, g in packed_grads.items():
@@ -124,14 +125,29 @@ def test_indexer_kl_is_zero_when_student_equals_teacher(mode):
     cand = torch.tensor([[0, 1, 2], [0, -1, 3], [-1, -1, -1], [4, 2, 1], [3, 1, -1], [0, 2, 4]])
     real = torch.tensor([True] * 5 + [False])
     lc = torch.einsum("thd,tkd->thk", q, comp[cand.clamp(min=0)]) * 0.5
-    lw = torch.einsum("thd,tkd->thk", q, kv[window.clamp(min=0)]).masked_fill((window < 0)[:, None], -torch.inf) * 0.5
+    lw = (
+        torch.einsum("thd,tkd->thk", q, kv[window.clamp(min=0)]).masked_fill(
+            (window < 0)[:, None], -torch.inf
+        )
+        * 0.5
+    )
     lc = lc.masked_fill((cand < 0)[:, None], -torch.inf)
     lse = torch.cat([lw, lc, sink[None, :, None].expand(T, H, 1)], -1).logsumexp(-1, keepdim=True)
     teacher = (lc - lse).exp().sum(1)
     exact = teacher.log().masked_fill(cand < 0, -torch.inf)
     kl0 = indexer_kl(q, kv, comp, sink, window, cand, exact, real, 0.5, chunk=4)
-    kl1 = indexer_kl(q, kv, comp, sink, window, cand, torch.randn(T, 3, generator=g, dtype=torch.float64)
-                     .masked_fill(cand < 0, -torch.inf), real, 0.5, chunk=4)
+    kl1 = indexer_kl(
+        q,
+        kv,
+        comp,
+        sink,
+        window,
+        cand,
+        torch.randn(T, 3, generator=g, dtype=torch.float64).masked_fill(cand < 0, -torch.inf),
+        real,
+        0.5,
+        chunk=4,
+    )
     assert abs(kl0.item()) < 1e-12 and kl1.item() > 1e-3
 
 
@@ -142,7 +158,7 @@ def test_mhc_comb_is_doubly_stochastic_and_applied_transposed():
         hc.fn.normal_(std=0.1)
         hc.base.normal_()
     h = torch.randn(9, 4, 16, dtype=torch.float64)
-    x, post, comb = hc(h)
+    _x, post, comb = hc(h)
     torch.testing.assert_close(comb.sum(-2), torch.ones(9, 4, dtype=torch.float64), rtol=0, atol=1e-5)
     torch.testing.assert_close(comb.sum(-1), torch.ones(9, 4, dtype=torch.float64), rtol=0, atol=1e-3)
     assert (comb - comb.transpose(1, 2)).abs().max() > 1e-3  # not symmetric: the orientation matters
@@ -267,8 +283,15 @@ def test_matrix_params_split():
     names = set(spec.matrix_params(model))
     assert "layers.1.attn.wq_a.weight" in names and "layers.2.ffn.experts.3.w2.weight" in names
     assert "layers.1.hc_attn.fn" in names and "layers.1.ffn.gate.weight" in names
-    for name in ("embed.weight", "head.weight", "layers.1.attn.compressor.ape", "layers.1.attn.attn_sink",
-                 "layers.1.attn_norm.weight", "layers.1.hc_attn.base", "layers.1.hc_attn.scale"):
+    for name in (
+        "embed.weight",
+        "head.weight",
+        "layers.1.attn.compressor.ape",
+        "layers.1.attn.attn_sink",
+        "layers.1.attn_norm.weight",
+        "layers.1.hc_attn.base",
+        "layers.1.hc_attn.scale",
+    ):
         assert name not in names
     assert all(p.ndim == 2 for n, p in model.named_parameters() if n in names)
 
@@ -294,7 +317,7 @@ def test_bfloat16_step_runs_and_keeps_the_balancing_bias_in_float32():
     gate = model.router_gates()[0]
     assert gate.bias.dtype == torch.float32 and gate.load.dtype == torch.long
     tokens, batch = packed(**DOCS, vocab=args.vocab_size)
-    total, logits, aux = losses(model, tokens, batch)
+    total, logits, _aux = losses(model, tokens, batch)
     assert logits.dtype == torch.bfloat16 and torch.isfinite(total)
     total.backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)

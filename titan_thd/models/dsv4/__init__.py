@@ -1,8 +1,8 @@
 """DeepSeek-V4(-Flash) hybrid-attention MoE model on packed THD microbatches.
 
-    from titan_thd.models.dsv4 import load_hf, export_hf
-    model, args = load_hf("path/to/hf_checkpoint")        # config.json + *.safetensors
-    export_hf(model, args, "out_dir")                      # loadable by transformers' DeepseekV4ForCausalLM
+from titan_thd.models.dsv4 import load_hf, export_hf
+model, args = load_hf("path/to/hf_checkpoint")        # config.json + *.safetensors
+export_hf(model, args, "out_dir")                      # loadable by transformers' DeepseekV4ForCausalLM
 """
 
 from __future__ import annotations
@@ -49,5 +49,13 @@ spec = ModelSpec(
 )
 
 __all__ = [
-    "DSv4Args", "DSv4Model", "build_dsv4", "export_hf", "flavors", "flops_per_step", "load_hf", "load_hf_into", "spec",
+    "DSv4Args",
+    "DSv4Model",
+    "build_dsv4",
+    "export_hf",
+    "flavors",
+    "flops_per_step",
+    "load_hf",
+    "load_hf_into",
+    "spec",
 ]

@@ -72,17 +72,39 @@ class DSv4Args:
         self.layer_types = tuple(self.layer_types)
         for i, t in enumerate(self.layer_types):
             if t not in LAYER_TYPES:
-                raise ValueError(f"dsv4: layer_types[{i}] = {t!r} is not a layer type; expected one of {LAYER_TYPES}")
+                raise ValueError(
+                    f"dsv4: layer_types[{i}] = {t!r} is not a layer type; expected one of {LAYER_TYPES}"
+                )
         if not self.layer_types:
             raise ValueError("dsv4: layer_types is empty; a model needs at least one layer")
         for name in ("csa_ratio", "hca_ratio"):
             if getattr(self, name) < 2:
-                raise ValueError(f"dsv4: {name} = {getattr(self, name)} must be >= 2 (tokens per compressed entry)")
+                raise ValueError(
+                    f"dsv4: {name} = {getattr(self, name)} must be >= 2 (tokens per compressed entry)"
+                )
         if self.csa_ratio == self.hca_ratio:
-            raise ValueError(f"dsv4: csa_ratio and hca_ratio are both {self.csa_ratio}; the two types need distinct ratios")
-        for name in ("dim", "n_heads", "head_dim", "q_lora_rank", "o_groups", "o_lora_rank", "window",
-                     "index_n_heads", "index_head_dim", "index_topk", "n_experts", "n_activated_experts",
-                     "moe_inter_dim", "hc_mult", "hc_sinkhorn_iters", "vocab_size", "attn_chunk"):
+            raise ValueError(
+                f"dsv4: csa_ratio and hca_ratio are both {self.csa_ratio}; the two types need distinct ratios"
+            )
+        for name in (
+            "dim",
+            "n_heads",
+            "head_dim",
+            "q_lora_rank",
+            "o_groups",
+            "o_lora_rank",
+            "window",
+            "index_n_heads",
+            "index_head_dim",
+            "index_topk",
+            "n_experts",
+            "n_activated_experts",
+            "moe_inter_dim",
+            "hc_mult",
+            "hc_sinkhorn_iters",
+            "vocab_size",
+            "attn_chunk",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"dsv4: {name} = {getattr(self, name)} must be >= 1")
         if self.rope_dim % 2 or not 0 < self.rope_dim <= min(self.head_dim, self.index_head_dim):
@@ -97,7 +119,9 @@ class DSv4Args:
                 f"dsv4: n_activated_experts = {self.n_activated_experts} exceeds n_experts = {self.n_experts}"
             )
         if not 0 <= self.n_hash_layers <= len(self.layer_types):
-            raise ValueError(f"dsv4: n_hash_layers = {self.n_hash_layers} must be in 0..{len(self.layer_types)}")
+            raise ValueError(
+                f"dsv4: n_hash_layers = {self.n_hash_layers} must be in 0..{len(self.layer_types)}"
+            )
         if self.mtp_layers not in (0, 1):
             raise ValueError(f"dsv4: mtp_layers = {self.mtp_layers}; only depth 0 or 1 is supported")
         if self.indexer_loss_mode not in INDEXER_LOSS_MODES:
@@ -127,27 +151,65 @@ class DSv4Args:
 
     def architecture(self) -> dict:
         """Fields that fix the weights' shapes and the forward math (training knobs excluded)."""
-        skip = {"mtp_loss_weight", "indexer_loss_coeff", "indexer_loss_mode", "router_bias_update_rate",
-                "init_std", "attn_chunk"}
+        skip = {
+            "mtp_loss_weight",
+            "indexer_loss_coeff",
+            "indexer_loss_mode",
+            "router_bias_update_rate",
+            "init_std",
+            "attn_chunk",
+        }
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
 
 
 flavors: dict[str, DSv4Args] = {
     # Unit tests: every mechanism, ~1M parameters.
     "micro": DSv4Args(
-        vocab_size=1024, dim=128, layer_types=("sliding", "csa", "hca", "csa"), n_heads=4, head_dim=32,
-        rope_dim=8, q_lora_rank=64, o_groups=2, o_lora_rank=32, window=8, csa_ratio=4, hca_ratio=16,
-        index_n_heads=2, index_head_dim=16, index_topk=4, n_experts=4, n_activated_experts=2,
-        moe_inter_dim=64, n_hash_layers=1,
+        vocab_size=1024,
+        dim=128,
+        layer_types=("sliding", "csa", "hca", "csa"),
+        n_heads=4,
+        head_dim=32,
+        rope_dim=8,
+        q_lora_rank=64,
+        o_groups=2,
+        o_lora_rank=32,
+        window=8,
+        csa_ratio=4,
+        hca_ratio=16,
+        index_n_heads=2,
+        index_head_dim=16,
+        index_topk=4,
+        n_experts=4,
+        n_activated_experts=2,
+        moe_inter_dim=64,
+        n_hash_layers=1,
     ),
     # The CPU default (research §14.3): 2 sliding layers, then CSA / HCA alternating, ending on CSA.
     "tiny": DSv4Args(),
     # Official DeepSeek-V4-Flash dimensions (build it on the meta device).
     "flash": DSv4Args(
-        vocab_size=129280, dim=4096, layer_types=("sliding", "sliding") + ("csa", "hca") * 20 + ("csa",),
-        n_heads=64, head_dim=512, rope_dim=64, q_lora_rank=1024, o_groups=8, o_lora_rank=1024, window=128,
-        csa_ratio=4, hca_ratio=128, index_n_heads=64, index_head_dim=128, index_topk=512, n_experts=256,
-        n_activated_experts=6, moe_inter_dim=2048, n_hash_layers=3, compress_rope_theta=160000.0,
-        rope_factor=16.0, rope_original_max_pos=65536,
+        vocab_size=129280,
+        dim=4096,
+        layer_types=("sliding", "sliding") + ("csa", "hca") * 20 + ("csa",),
+        n_heads=64,
+        head_dim=512,
+        rope_dim=64,
+        q_lora_rank=1024,
+        o_groups=8,
+        o_lora_rank=1024,
+        window=128,
+        csa_ratio=4,
+        hca_ratio=128,
+        index_n_heads=64,
+        index_head_dim=128,
+        index_topk=512,
+        n_experts=256,
+        n_activated_experts=6,
+        moe_inter_dim=2048,
+        n_hash_layers=3,
+        compress_rope_theta=160000.0,
+        rope_factor=16.0,
+        rope_original_max_pos=65536,
     ),
 }

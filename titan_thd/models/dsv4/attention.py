@@ -52,7 +52,9 @@ class Attention(nn.Module):
         if layer_type == "csa":
             self.indexer = Indexer(args)
 
-    def forward(self, x_TD: torch.Tensor, plan: BatchPlan, with_kl: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self, x_TD: torch.Tensor, plan: BatchPlan, with_kl: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(output [T, d], indexer KL summed over valid rows, or None when not asked / not CSA)."""
         T, H, D = x_TD.shape[0], self.n_heads, self.head_dim
         rope = plan.rope_main if self.layer_type == "sliding" else plan.rope_comp
@@ -85,6 +87,15 @@ class Attention(nn.Module):
         cand_TK = entries_TE if self.kl_mode == "sparse" else cplan.visible()
         student_TK = self.indexer.scores(q_I, w_I, k_I, cand_TK)
         kl = indexer_kl(
-            q_THD, kv_TD, comp_CD, self.attn_sink, plan.window_TW, cand_TK, student_TK, plan.real_T, D**-0.5, self.chunk
+            q_THD,
+            kv_TD,
+            comp_CD,
+            self.attn_sink,
+            plan.window_TW,
+            cand_TK,
+            student_TK,
+            plan.real_T,
+            D**-0.5,
+            self.chunk,
         )
         return out_TD, kl

@@ -46,7 +46,9 @@ class Compressor(nn.Module):
             first_C11 = (plan.prev_CM[:, :1] < 0)[..., None]
             prev = plan.prev_CM.clamp(min=0)
             prev_kv_CMD = kv_RW[prev, :Dc].masked_fill(first_C11, 0.0)
-            prev_gate_CMD = (gate_RW[prev, :Dc].to(acc) + self.ape[:, :Dc]).masked_fill(first_C11, float("-inf"))
+            prev_gate_CMD = (gate_RW[prev, :Dc].to(acc) + self.ape[:, :Dc]).masked_fill(
+                first_C11, float("-inf")
+            )
             kv_CPD = torch.cat([prev_kv_CMD, kv_CMW[..., Dc:]], dim=1)
             gate_CPD = torch.cat([prev_gate_CMD, gate_CMW[..., Dc:]], dim=1)
         else:

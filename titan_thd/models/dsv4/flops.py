@@ -11,7 +11,7 @@ counted too (Megatron leaves mHC out). FLOPs = 2 (multiply-add) x 3 (forward, tw
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from titan_thd.models.dsv4.args import DSv4Args
 

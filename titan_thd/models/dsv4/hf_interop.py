@@ -112,11 +112,28 @@ def to_reference(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 # ---------------------------------------------------------------------------------------- config
 _HF_DEFAULTS = {  # transformers' DeepseekV4Config defaults, for keys a config.json may omit
-    "num_key_value_heads": 1, "n_shared_experts": 1, "scoring_func": "sqrtsoftplus", "norm_topk_prob": True,
-    "tie_word_embeddings": False, "hidden_act": "silu", "routed_scaling_factor": 1.5, "swiglu_limit": 10.0,
-    "hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-    "compress_rope_theta": 160000.0, "num_nextn_predict_layers": 1, "sliding_window": 128, "o_groups": 8,
-    "o_lora_rank": 1024, "index_n_heads": 64, "index_head_dim": 128, "index_topk": 512, "q_lora_rank": 1024,
+    "num_key_value_heads": 1,
+    "n_shared_experts": 1,
+    "scoring_func": "sqrtsoftplus",
+    "norm_topk_prob": True,
+    "tie_word_embeddings": False,
+    "hidden_act": "silu",
+    "routed_scaling_factor": 1.5,
+    "swiglu_limit": 10.0,
+    "hc_mult": 4,
+    "hc_sinkhorn_iters": 20,
+    "hc_eps": 1e-6,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "compress_rope_theta": 160000.0,
+    "num_nextn_predict_layers": 1,
+    "sliding_window": 128,
+    "o_groups": 8,
+    "o_lora_rank": 1024,
+    "index_n_heads": 64,
+    "index_head_dim": 128,
+    "index_topk": 512,
+    "q_lora_rank": 1024,
 }
 
 
@@ -132,8 +149,14 @@ def args_from_hf_config(cfg: dict, where: str = "config.json") -> DSv4Args:
 
     if cfg.get("model_type", "deepseek_v4") != "deepseek_v4":
         raise ValueError(f"{where}: model_type is {cfg.get('model_type')!r}, expected 'deepseek_v4'")
-    for key, want in (("num_key_value_heads", 1), ("n_shared_experts", 1), ("scoring_func", "sqrtsoftplus"),
-                      ("norm_topk_prob", True), ("tie_word_embeddings", False), ("hidden_act", "silu")):
+    for key, want in (
+        ("num_key_value_heads", 1),
+        ("n_shared_experts", 1),
+        ("scoring_func", "sqrtsoftplus"),
+        ("norm_topk_prob", True),
+        ("tie_word_embeddings", False),
+        ("hidden_act", "silu"),
+    ):
         if get(key) != want:
             raise ValueError(f"{where}: {key} = {get(key)!r} is not supported by dsv4 (expected {want!r})")
     n = get("num_hidden_layers")
@@ -150,7 +173,9 @@ def args_from_hf_config(cfg: dict, where: str = "config.json") -> DSv4Args:
         by_ratio = {0: "sliding", csa: "csa", hca: "hca"}
         bad = [(i, r) for i, r in enumerate(cfg["compress_ratios"]) if r not in by_ratio]
         if bad:
-            raise ValueError(f"{where}: unknown compress_ratios {bad}; expected 0, {csa} (CSA) or {hca} (HCA)")
+            raise ValueError(
+                f"{where}: unknown compress_ratios {bad}; expected 0, {csa} (CSA) or {hca} (HCA)"
+            )
         layer_types = tuple(by_ratio[r] for r in cfg["compress_ratios"][:n])
         mtp_type = by_ratio[cfg["compress_ratios"][n]] if len(cfg["compress_ratios"]) > n else "sliding"
     else:
@@ -171,59 +196,120 @@ def args_from_hf_config(cfg: dict, where: str = "config.json") -> DSv4Args:
     else:
         rope_dim = int(get("head_dim") * (cfg.get("partial_rotary_factor") or 64 / 512))
     rope = cfg.get("rope_parameters") or {}
-    comp = rope.get("compress") if isinstance(rope.get("compress"), dict) else (cfg.get("rope_scaling") or rope)
+    comp = (
+        rope.get("compress") if isinstance(rope.get("compress"), dict) else (cfg.get("rope_scaling") or rope)
+    )
     yarn = comp.get("rope_type", comp.get("type", "default")) == "yarn"
     if comp.get("rope_type", comp.get("type", "default")) not in ("default", "yarn"):
         raise ValueError(f"{where}: compressed-layer rope_type {comp.get('rope_type')!r} is not supported")
     if yarn and comp.get("attention_factor", 1.0) != 1.0:
-        raise ValueError(f"{where}: YaRN attention_factor {comp['attention_factor']} != 1 (DSv4 never scales)")
+        raise ValueError(
+            f"{where}: YaRN attention_factor {comp['attention_factor']} != 1 (DSv4 never scales)"
+        )
     main = rope.get("main") if isinstance(rope.get("main"), dict) else {}
     return DSv4Args(
-        vocab_size=get("vocab_size"), dim=get("hidden_size"), layer_types=layer_types,
-        n_heads=get("num_attention_heads"), head_dim=get("head_dim"), rope_dim=rope_dim,
-        q_lora_rank=get("q_lora_rank"), o_groups=get("o_groups"), o_lora_rank=get("o_lora_rank"),
-        window=get("sliding_window"), csa_ratio=csa, hca_ratio=hca, index_n_heads=get("index_n_heads"),
-        index_head_dim=get("index_head_dim"), index_topk=get("index_topk"), n_experts=get("n_routed_experts"),
-        n_activated_experts=get("num_experts_per_tok"), moe_inter_dim=get("moe_intermediate_size"),
-        n_hash_layers=n_hash, route_scale=float(get("routed_scaling_factor")), swiglu_limit=float(get("swiglu_limit")),
-        hc_mult=get("hc_mult"), hc_sinkhorn_iters=get("hc_sinkhorn_iters"), hc_eps=float(get("hc_eps")),
-        norm_eps=float(get("rms_norm_eps")), rope_theta=float(main.get("rope_theta", get("rope_theta"))),
+        vocab_size=get("vocab_size"),
+        dim=get("hidden_size"),
+        layer_types=layer_types,
+        n_heads=get("num_attention_heads"),
+        head_dim=get("head_dim"),
+        rope_dim=rope_dim,
+        q_lora_rank=get("q_lora_rank"),
+        o_groups=get("o_groups"),
+        o_lora_rank=get("o_lora_rank"),
+        window=get("sliding_window"),
+        csa_ratio=csa,
+        hca_ratio=hca,
+        index_n_heads=get("index_n_heads"),
+        index_head_dim=get("index_head_dim"),
+        index_topk=get("index_topk"),
+        n_experts=get("n_routed_experts"),
+        n_activated_experts=get("num_experts_per_tok"),
+        moe_inter_dim=get("moe_intermediate_size"),
+        n_hash_layers=n_hash,
+        route_scale=float(get("routed_scaling_factor")),
+        swiglu_limit=float(get("swiglu_limit")),
+        hc_mult=get("hc_mult"),
+        hc_sinkhorn_iters=get("hc_sinkhorn_iters"),
+        hc_eps=float(get("hc_eps")),
+        norm_eps=float(get("rms_norm_eps")),
+        rope_theta=float(main.get("rope_theta", get("rope_theta"))),
         compress_rope_theta=float(comp.get("rope_theta", get("compress_rope_theta"))),
         rope_factor=float(comp.get("factor", 1.0)) if yarn else 1.0,
         rope_original_max_pos=int(comp.get("original_max_position_embeddings", 65536)),
-        rope_beta_fast=float(comp.get("beta_fast") or 32), rope_beta_slow=float(comp.get("beta_slow") or 1),
+        rope_beta_fast=float(comp.get("beta_fast") or 32),
+        rope_beta_slow=float(comp.get("beta_slow") or 1),
         mtp_layers=min(1, int(get("num_nextn_predict_layers"))),
     )
 
 
 def hf_config_from_args(args: DSv4Args, dtype: torch.dtype = torch.float32) -> dict:
     """A transformers DeepseekV4Config dict describing `args`."""
-    compress = {"rope_type": "default", "rope_theta": args.compress_rope_theta,
-                "partial_rotary_factor": args.rope_dim / args.head_dim}
+    compress = {
+        "rope_type": "default",
+        "rope_theta": args.compress_rope_theta,
+        "partial_rotary_factor": args.rope_dim / args.head_dim,
+    }
     if args.rope_factor != 1.0:
-        compress.update(rope_type="yarn", factor=args.rope_factor, attention_factor=1.0,
-                        original_max_position_embeddings=args.rope_original_max_pos,
-                        beta_fast=args.rope_beta_fast, beta_slow=args.rope_beta_slow)
+        compress.update(
+            rope_type="yarn",
+            factor=args.rope_factor,
+            attention_factor=1.0,
+            original_max_position_embeddings=args.rope_original_max_pos,
+            beta_fast=args.rope_beta_fast,
+            beta_slow=args.rope_beta_slow,
+        )
     return {
-        "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4",
-        "dtype": str(dtype).removeprefix("torch."), "vocab_size": args.vocab_size, "hidden_size": args.dim,
-        "num_hidden_layers": args.n_layers, "layer_types": [_OUR_LAYER_TYPES[t] for t in args.layer_types],
-        "compress_rates": {"compressed_sparse_attention": args.csa_ratio, "heavily_compressed_attention": args.hca_ratio},
+        "architectures": ["DeepseekV4ForCausalLM"],
+        "model_type": "deepseek_v4",
+        "dtype": str(dtype).removeprefix("torch."),
+        "vocab_size": args.vocab_size,
+        "hidden_size": args.dim,
+        "num_hidden_layers": args.n_layers,
+        "layer_types": [_OUR_LAYER_TYPES[t] for t in args.layer_types],
+        "compress_rates": {
+            "compressed_sparse_attention": args.csa_ratio,
+            "heavily_compressed_attention": args.hca_ratio,
+        },
         "mlp_layer_types": ["hash_moe"] * args.n_hash_layers + ["moe"] * (args.n_layers - args.n_hash_layers),
-        "num_attention_heads": args.n_heads, "num_key_value_heads": 1, "head_dim": args.head_dim,
-        "partial_rotary_factor": args.rope_dim / args.head_dim, "q_lora_rank": args.q_lora_rank,
-        "o_groups": args.o_groups, "o_lora_rank": args.o_lora_rank, "sliding_window": args.window,
-        "index_n_heads": args.index_n_heads, "index_head_dim": args.index_head_dim, "index_topk": args.index_topk,
-        "n_routed_experts": args.n_experts, "num_experts_per_tok": args.n_activated_experts, "n_shared_experts": 1,
-        "moe_intermediate_size": args.moe_inter_dim, "scoring_func": "sqrtsoftplus", "norm_topk_prob": True,
-        "routed_scaling_factor": args.route_scale, "swiglu_limit": args.swiglu_limit, "hc_mult": args.hc_mult,
-        "hc_sinkhorn_iters": args.hc_sinkhorn_iters, "hc_eps": args.hc_eps, "rms_norm_eps": args.norm_eps,
-        "rope_theta": args.rope_theta, "compress_rope_theta": args.compress_rope_theta,
-        "rope_parameters": {"main": {"rope_type": "default", "rope_theta": args.rope_theta,
-                                     "partial_rotary_factor": args.rope_dim / args.head_dim},
-                            "compress": compress},
-        "num_nextn_predict_layers": args.mtp_layers, "tie_word_embeddings": False, "hidden_act": "silu",
-        "bos_token_id": 0, "eos_token_id": 1,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": 1,
+        "head_dim": args.head_dim,
+        "partial_rotary_factor": args.rope_dim / args.head_dim,
+        "q_lora_rank": args.q_lora_rank,
+        "o_groups": args.o_groups,
+        "o_lora_rank": args.o_lora_rank,
+        "sliding_window": args.window,
+        "index_n_heads": args.index_n_heads,
+        "index_head_dim": args.index_head_dim,
+        "index_topk": args.index_topk,
+        "n_routed_experts": args.n_experts,
+        "num_experts_per_tok": args.n_activated_experts,
+        "n_shared_experts": 1,
+        "moe_intermediate_size": args.moe_inter_dim,
+        "scoring_func": "sqrtsoftplus",
+        "norm_topk_prob": True,
+        "routed_scaling_factor": args.route_scale,
+        "swiglu_limit": args.swiglu_limit,
+        "hc_mult": args.hc_mult,
+        "hc_sinkhorn_iters": args.hc_sinkhorn_iters,
+        "hc_eps": args.hc_eps,
+        "rms_norm_eps": args.norm_eps,
+        "rope_theta": args.rope_theta,
+        "compress_rope_theta": args.compress_rope_theta,
+        "rope_parameters": {
+            "main": {
+                "rope_type": "default",
+                "rope_theta": args.rope_theta,
+                "partial_rotary_factor": args.rope_dim / args.head_dim,
+            },
+            "compress": compress,
+        },
+        "num_nextn_predict_layers": args.mtp_layers,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+        "bos_token_id": 0,
+        "eos_token_id": 1,
     }
 
 
@@ -263,7 +349,9 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def load_state_dict_hf(model: DSv4Model, hf_state: dict[str, torch.Tensor], where: str = "checkpoint") -> None:
+def load_state_dict_hf(
+    model: DSv4Model, hf_state: dict[str, torch.Tensor], where: str = "checkpoint"
+) -> None:
     """Copy an HF-named state dict into `model`; ValueError naming missing / unexpected / misshaped tensors.
 
     Checkpoints written by transformers carry no MTP weights (it never instantiates MTP): when every
@@ -282,8 +370,11 @@ def load_state_dict_hf(model: DSv4Model, hf_state: dict[str, torch.Tensor], wher
             f"{where} does not fit the dsv4 model: {len(missing)} missing tensors {missing[:20]}"
             f"{' ...' if len(missing) > 20 else ''}; {len(unexpected)} unexpected tensors {unexpected[:20]}"
         )
-    shapes = [f"{k}: {tuple(ours[k].shape)} vs model {tuple(v.shape)}" for k, v in expected.items()
-              if k in ours and ours[k].shape != v.shape]
+    shapes = [
+        f"{k}: {tuple(ours[k].shape)} vs model {tuple(v.shape)}"
+        for k, v in expected.items()
+        if k in ours and ours[k].shape != v.shape
+    ]
     if shapes:
         raise ValueError(f"{where}: tensors with the wrong shape: " + "; ".join(shapes[:20]))
     with torch.no_grad():
@@ -315,11 +406,15 @@ def load_hf_into(model: DSv4Model, path: str | Path) -> None:
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise ValueError(f"{path}: no config.json")
-    _resolve_args(args_from_hf_config(json.loads(cfg_file.read_text()), str(cfg_file)), model.args, str(cfg_file))
+    _resolve_args(
+        args_from_hf_config(json.loads(cfg_file.read_text()), str(cfg_file)), model.args, str(cfg_file)
+    )
     load_state_dict_hf(model, _read_safetensors(path), str(path))
 
 
-def export_hf(model: DSv4Model, args: DSv4Args, out_dir: str | Path, dtype: torch.dtype | None = None) -> Path:
+def export_hf(
+    model: DSv4Model, args: DSv4Args, out_dir: str | Path, dtype: torch.dtype | None = None
+) -> Path:
     """Write config.json + model.safetensors (reference names) that transformers can load."""
     from safetensors.torch import save_file
 

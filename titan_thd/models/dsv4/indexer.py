@@ -34,7 +34,11 @@ class Indexer(nn.Module):
         self.chunk = args.attn_chunk
 
     def forward(
-        self, x_TD: torch.Tensor, cq_TQ: torch.Tensor, plan: CompressPlan, rope: tuple[torch.Tensor, torch.Tensor]
+        self,
+        x_TD: torch.Tensor,
+        cq_TQ: torch.Tensor,
+        plan: CompressPlan,
+        rope: tuple[torch.Tensor, torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(q_THI, w_TH, k_CI) from the (already detached) attention input and query latent."""
         k_CI = self.compressor(x_TD, plan)
@@ -43,7 +47,9 @@ class Indexer(nn.Module):
         return q_THI, w_TH, k_CI
 
     @torch.no_grad()
-    def select(self, q_THI: torch.Tensor, w_TH: torch.Tensor, k_CI: torch.Tensor, plan: CompressPlan) -> torch.Tensor:
+    def select(
+        self, q_THI: torch.Tensor, w_TH: torch.Tensor, k_CI: torch.Tensor, plan: CompressPlan
+    ) -> torch.Tensor:
         """[T, k] entries with the highest scores among each query's visible ones (-1 = none).
 
         Scores of a query chunk are computed densely against the contiguous entry range its
@@ -59,7 +65,9 @@ class Indexer(nn.Module):
             lo, hi = int(start_n.min()), int((start_n + n_vis_n).max())
             if hi <= lo:
                 continue
-            score_nC = _scores_dense(q_THI[a : a + self.chunk], w_TH[a : a + self.chunk], k_CI[lo:hi], self.head_dim)
+            score_nC = _scores_dense(
+                q_THI[a : a + self.chunk], w_TH[a : a + self.chunk], k_CI[lo:hi], self.head_dim
+            )
             col_C = torch.arange(lo, hi, device=q_THI.device)
             ok_nC = (col_C >= start_n[:, None]) & (col_C < (start_n + n_vis_n)[:, None])
             score_nC.masked_fill_(~ok_nC, float("-inf"))
@@ -69,7 +77,9 @@ class Indexer(nn.Module):
             out_Tk[a : a + self.chunk, :k] = torch.where(ok_nC.gather(1, cols_nk), cols_nk + lo, -1)
         return out_Tk
 
-    def scores(self, q_THI: torch.Tensor, w_TH: torch.Tensor, k_CI: torch.Tensor, cand_TK: torch.Tensor) -> torch.Tensor:
+    def scores(
+        self, q_THI: torch.Tensor, w_TH: torch.Tensor, k_CI: torch.Tensor, cand_TK: torch.Tensor
+    ) -> torch.Tensor:
         """[T, K] differentiable scores of the listed candidates (-inf where cand = -1)."""
         k_TKI = k_CI[cand_TK.clamp(min=0)]
         relu_THK = F.relu(torch.bmm(q_THI, k_TKI.transpose(1, 2))) * self.head_dim**-0.5
@@ -129,5 +139,7 @@ def indexer_kl(
 
 def _logits(q_nHD, buf_SD, idx_nK, scale, acc):
     """Detached attention logits of queries against listed buffer rows (-inf where idx = -1)."""
-    logits_nHK = torch.bmm(q_nHD.detach().to(acc), buf_SD.detach()[idx_nK.clamp(min=0)].to(acc).transpose(1, 2))
+    logits_nHK = torch.bmm(
+        q_nHD.detach().to(acc), buf_SD.detach()[idx_nK.clamp(min=0)].to(acc).transpose(1, 2)
+    )
     return (logits_nHK * scale).masked_fill((idx_nK < 0)[:, None, :], float("-inf"))

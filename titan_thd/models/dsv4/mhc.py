@@ -18,7 +18,6 @@ import torch.nn.functional as F
 from torch import nn
 
 
-
 def sinkhorn(logits_TNN: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     """Row softmax (the first row normalisation), then alternate column / row normalisations.
 
@@ -65,7 +64,9 @@ def _collapse(pre_TN: torch.Tensor, h_TND: torch.Tensor) -> torch.Tensor:
     return torch.bmm(pre_TN.to(h_TND.dtype)[:, None, :], h_TND)[:, 0]
 
 
-def hc_post(y_TD: torch.Tensor, h_TND: torch.Tensor, post_TN: torch.Tensor, comb_TNN: torch.Tensor) -> torch.Tensor:
+def hc_post(
+    y_TD: torch.Tensor, h_TND: torch.Tensor, post_TN: torch.Tensor, comb_TNN: torch.Tensor
+) -> torch.Tensor:
     """New streams: post_k * y + sum_j comb[j, k] h_j."""
     return post_TN[..., None] * y_TD[:, None, :] + torch.einsum("tjk,tjd->tkd", comb_TNN, h_TND)
 

@@ -41,7 +41,10 @@ class DSv4Model(nn.Module):
         self.args = args
         self.embed = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleDict(
-            {str(i): Block(args, t, hash_routed=i < args.n_hash_layers) for i, t in enumerate(args.layer_types)}
+            {
+                str(i): Block(args, t, hash_routed=i < args.n_hash_layers)
+                for i, t in enumerate(args.layer_types)
+            }
         )
         self.hc_head = HyperHead(args.hc_mult, args.dim, args.hc_eps, args.norm_eps)
         self.norm = RMSNorm(args.dim, args.norm_eps)
@@ -53,7 +56,9 @@ class DSv4Model(nn.Module):
         plan = get_plan(meta, args, self.embed.weight.dtype)
         with_kl = self.training and args.indexer_loss_coeff > 0
         h_TND = self.embed(tokens_T)[:, None, :].expand(-1, args.hc_mult, -1)
-        kl_sum = torch.zeros((), dtype=torch.promote_types(h_TND.dtype, torch.float32), device=tokens_T.device)
+        kl_sum = torch.zeros(
+            (), dtype=torch.promote_types(h_TND.dtype, torch.float32), device=tokens_T.device
+        )
         for layer in self.layers.values():
             h_TND, kl = layer(h_TND, tokens_T, plan, with_kl)
             if kl is not None:

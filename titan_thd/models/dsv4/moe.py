@@ -40,7 +40,11 @@ class Expert(nn.Module):
 class Gate(nn.Module):
     def __init__(self, args: DSv4Args, hash_routed: bool):
         super().__init__()
-        self.topk, self.route_scale, self.hash_routed = args.n_activated_experts, args.route_scale, hash_routed
+        self.topk, self.route_scale, self.hash_routed = (
+            args.n_activated_experts,
+            args.route_scale,
+            hash_routed,
+        )
         self.bias_update_rate = args.router_bias_update_rate
         self.weight = nn.Parameter(torch.empty(args.n_experts, args.dim))
         if hash_routed:
@@ -89,7 +93,9 @@ class MoE(nn.Module):
     def __init__(self, args: DSv4Args, hash_routed: bool):
         super().__init__()
         self.gate = Gate(args, hash_routed)
-        self.experts = nn.ModuleList(Expert(args.dim, args.moe_inter_dim, args.swiglu_limit) for _ in range(args.n_experts))
+        self.experts = nn.ModuleList(
+            Expert(args.dim, args.moe_inter_dim, args.swiglu_limit) for _ in range(args.n_experts)
+        )
         self.shared_experts = Expert(args.dim, args.moe_inter_dim, args.swiglu_limit)
 
     def forward(self, x_TD: torch.Tensor, tokens_T: torch.Tensor, real_T: torch.Tensor) -> torch.Tensor:

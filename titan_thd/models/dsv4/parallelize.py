@@ -9,7 +9,9 @@ from titan_thd.models.dsv4.model import DSv4Model
 from titan_thd.parallel.parallel_dims import ParallelDims
 
 
-def parallelize_dsv4(model: DSv4Model, parallel_dims: ParallelDims, parallelism_cfg: Parallelism) -> DSv4Model:
+def parallelize_dsv4(
+    model: DSv4Model, parallel_dims: ParallelDims, parallelism_cfg: Parallelism
+) -> DSv4Model:
     if parallel_dims.tp > 1:
         raise NotImplementedError(
             f"parallelism.tensor_parallel_degree = {parallel_dims.tp}: tensor parallelism for dsv4 is not "

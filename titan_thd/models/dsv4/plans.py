@@ -98,7 +98,9 @@ def build_plan(meta: BatchMeta, args: DSv4Args, dtype: torch.dtype) -> BatchPlan
     doc_T = torch.repeat_interleave(torch.arange(len(plens_N)), plens_N)
     pos_T = torch.arange(T) - starts_N[doc_T]
     if not torch.equal(pos_T.to(device), meta.position_ids.long()):
-        raise ValueError("dsv4: position_ids do not restart at the document starts given by cu_seqlens_padded")
+        raise ValueError(
+            "dsv4: position_ids do not restart at the document starts given by cu_seqlens_padded"
+        )
     real_T = pos_T < lens_N[doc_T]
 
     offsets_W = torch.arange(-args.window + 1, 1)
@@ -146,14 +148,25 @@ def get_plan(meta: BatchMeta, args: DSv4Args, dtype: torch.dtype) -> BatchPlan:
         local = meta.total_tokens // meta.cp.size
         if local < args.halo:
             raise ValueError(
-                f"dsv4: context parallelism needs at least {args.halo} tokens per rank (window {args.window}, "
-                f"CSA 2*m = {2 * args.csa_ratio}, HCA m' = {args.hca_ratio}); got T = {meta.total_tokens} / "
-                f"cp {meta.cp.size} = {local}"
+                f"dsv4: context parallelism needs at least {args.halo} tokens per rank (window "
+                f"{args.window}, CSA 2*m = {2 * args.csa_ratio}, HCA m' = {args.hca_ratio}); got "
+                f"T = {meta.total_tokens} / cp {meta.cp.size} = {local}"
             )
         raise NotImplementedError("dsv4 context parallelism is added by the CP issue")
-    key = "dsv4.plan:" + repr((
-        args.window, args.csa_ratio, args.hca_ratio, sorted(set(args.layer_types)), args.rope_dim, args.rope_theta,
-        args.compress_rope_theta, args.rope_factor, args.rope_original_max_pos, args.rope_beta_fast,
-        args.rope_beta_slow, rope_dtype(dtype),
-    ))
+    key = "dsv4.plan:" + repr(
+        (
+            args.window,
+            args.csa_ratio,
+            args.hca_ratio,
+            sorted(set(args.layer_types)),
+            args.rope_dim,
+            args.rope_theta,
+            args.compress_rope_theta,
+            args.rope_factor,
+            args.rope_original_max_pos,
+            args.rope_beta_fast,
+            args.rope_beta_slow,
+            rope_dtype(dtype),
+        )
+    )
     return meta.cached(key, lambda: build_plan(meta, args, dtype))

@@ -28,6 +28,7 @@ def inv_freq(args: DSv4Args, compressed: bool, dtype: torch.dtype) -> torch.Tens
     wavelength_R = base ** (torch.arange(0, r, 2, dtype=exp_dtype) / r)
     if not compressed or args.rope_factor == 1.0:
         return 1.0 / wavelength_R
+
     # YaRN: interpolate low frequencies by 1/factor, keep high ones, linear ramp in between.
     def correction_dim(rotations: float) -> float:
         return r * math.log(args.rope_original_max_pos / (rotations * 2 * math.pi)) / (2 * math.log(base))
@@ -47,7 +48,9 @@ def cos_sin(positions_N: torch.Tensor, freq_R: torch.Tensor) -> tuple[torch.Tens
     return angle_NR.cos(), angle_NR.sin()
 
 
-def apply_rope(x: torch.Tensor, cos_NR: torch.Tensor, sin_NR: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+def apply_rope(
+    x: torch.Tensor, cos_NR: torch.Tensor, sin_NR: torch.Tensor, inverse: bool = False
+) -> torch.Tensor:
     """Rotate the trailing 2R channels of x [N, ..., D] by the per-row angles (conjugate if inverse)."""
     R = cos_NR.shape[-1]
     view = (cos_NR.shape[0],) + (1,) * (x.ndim - 2) + (R,)

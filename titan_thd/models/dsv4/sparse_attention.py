@@ -44,7 +44,9 @@ class _SparseMQA(torch.autograd.Function):
         out_THD = torch.empty_like(q_THD)
         lse_TH = torch.empty(T, H, dtype=_acc_dtype(q_THD.dtype), device=q_THD.device)
         for a in range(0, T, chunk):
-            kv_nKD, p_nHK, lse_TH[a : a + chunk] = _probs(q_THD[a : a + chunk], kv_SD, idx_TK[a : a + chunk], sink_H, scale)
+            kv_nKD, p_nHK, lse_TH[a : a + chunk] = _probs(
+                q_THD[a : a + chunk], kv_SD, idx_TK[a : a + chunk], sink_H, scale
+            )
             out_THD[a : a + chunk] = torch.bmm(p_nHK, kv_nKD).to(q_THD.dtype)
         ctx.save_for_backward(q_THD, kv_SD, idx_TK, sink_H, out_THD, lse_TH)
         ctx.scale, ctx.chunk = scale, chunk
@@ -67,14 +69,21 @@ class _SparseMQA(torch.autograd.Function):
             dlogit_nHK = p_nHK * (torch.bmm(do_nHD, kv_nKD.transpose(1, 2)) - delta_nH[..., None])
             dq_THD[a : a + chunk] = (torch.bmm(dlogit_nHK, kv_nKD) * scale).to(q_THD.dtype)
             # K = V: each gathered row gets its key gradient and its value gradient.
-            dkv_nKD = torch.bmm(dlogit_nHK.transpose(1, 2), q_nHD) * scale + torch.bmm(p_nHK.transpose(1, 2), do_nHD)
+            dkv_nKD = torch.bmm(dlogit_nHK.transpose(1, 2), q_nHD) * scale + torch.bmm(
+                p_nHK.transpose(1, 2), do_nHD
+            )
             dkv_SD.index_add_(0, idx_nK.clamp(min=0).flatten(), dkv_nKD.flatten(0, 1))
             dsink_H -= (torch.exp(sink_H.to(acc)[None, :] - lse_nH) * delta_nH).sum(0)
         return dq_THD, dkv_SD.to(kv_SD.dtype), None, dsink_H.to(sink_H.dtype), None, None
 
 
 def sparse_mqa(
-    q_THD: torch.Tensor, kv_SD: torch.Tensor, idx_TK: torch.Tensor, sink_H: torch.Tensor, scale: float, chunk: int
+    q_THD: torch.Tensor,
+    kv_SD: torch.Tensor,
+    idx_TK: torch.Tensor,
+    sink_H: torch.Tensor,
+    scale: float,
+    chunk: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out_THD, lse_TH): attention of each query over kv rows idx_TK (-1 = unused slot) plus the sink."""
     assert idx_TK.shape[0] == q_THD.shape[0] and idx_TK.shape[1] >= 1, (idx_TK.shape, q_THD.shape)
