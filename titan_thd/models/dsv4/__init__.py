@@ -50,6 +50,7 @@ spec = ModelSpec(
 
 __all__ = [
     "DSv4Args",
+    "parallelize_dsv4",
     "DSv4Model",
     "build_dsv4",
     "export_hf",
