@@ -111,8 +111,7 @@ def test_indexer_learns_only_from_its_kl_and_kl_touches_nothing_else():
     assert sum(1 for ind, g in zip(is_indexer, main) if not ind and g is not None and g.abs().sum() > 0) > 50
 
 
-@pytest.mark.parametrize("mode", ["dense", "sparse"])
-def test_indexer_kl_is_zero_when_student_equals_teacher(mode):
+def test_indexer_kl_is_zero_when_student_equals_teacher():
     """A sanity anchor of the KL: non-negative, and 0 iff the indexer's softmax equals the teacher."""
     from titan_thd.models.dsv4.indexer import indexer_kl
 
@@ -149,6 +148,25 @@ def test_indexer_kl_is_zero_when_student_equals_teacher(mode):
         chunk=4,
     )
     assert abs(kl0.item()) < 1e-12 and kl1.item() > 1e-3
+
+
+def test_dense_and_sparse_indexer_loss():
+    """Dense KL runs over every visible entry, sparse over the top-k: equal when k covers all
+    entries, different otherwise; both are additive over packed documents."""
+    tokens, batch = packed(**DOCS, vocab=micro().vocab_size)
+    kl = {}
+    for topk in (4, 64):
+        for mode in ("dense", "sparse"):
+            model = build(micro(index_topk=topk, indexer_loss_mode=mode)).train()
+            kl[topk, mode] = model(tokens, meta(batch)).aux_losses["indexer"].detach()
+            if topk == 4 and mode == "dense":
+                alone = 0.0
+                for rows in doc_slices(batch):
+                    t1, b1 = sub_batch(tokens, batch, rows)
+                    alone = alone + model(t1, meta(b1)).aux_losses["indexer"].detach()
+                torch.testing.assert_close(kl[topk, mode], alone, rtol=1e-12, atol=0)
+    torch.testing.assert_close(kl[64, "dense"], kl[64, "sparse"], rtol=1e-12, atol=0)
+    assert (kl[4, "dense"] - kl[4, "sparse"]).abs() > 1e-6
 
 
 def test_mhc_comb_is_doubly_stochastic_and_applied_transposed():
