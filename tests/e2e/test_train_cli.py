@@ -29,7 +29,9 @@ SMALL = [
 
 
 def run_train(*args, env=None, timeout=600):
-    full_env = {**os.environ, **(env or {})}
+    # One thread per process: runs compared with each other use the same kernels, and a test run
+    # on a busy machine does not slow down by an order of magnitude from oversubscribed threads.
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run(
         ["./run_train.sh", *args], cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout
     )
