@@ -13,7 +13,7 @@ from titan_thd.config import Parallelism
 from titan_thd.data.packed_batch import IGNORE_INDEX
 from titan_thd.models import get_model_spec
 from titan_thd.models.batch_meta import BatchMeta
-from titan_thd.models.llama import Llama, LlamaArgs, build_llama
+from titan_thd.models.llama import LlamaArgs, build_llama
 from titan_thd.models.llama.parallelize import parallelize_llama, tp_plan
 from titan_thd.models.spec import count_params
 from titan_thd.parallel.parallel_dims import ParallelDims
@@ -85,7 +85,9 @@ def test_flavor_param_counts(flavor, low, high):
     args = get_model_spec("llama").flavors[flavor]
     assert args.vocab_size == 512
     with torch.device("meta"):  # shapes only: counting needs no memory
-        n = count_params(Llama(args))
+        model = build_llama(args)
+    assert {p.device.type for p in model.parameters()} == {"meta"}
+    n = count_params(model)
     assert n == expected_params(args)
     assert low <= n <= high, n
 

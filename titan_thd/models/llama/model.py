@@ -140,9 +140,15 @@ def _trunc_normal(p: torch.Tensor, std: float) -> None:
 
 
 def build_llama(args: LlamaArgs) -> Llama:
-    """Full model on CPU, initialised from the current RNG state (call under a seeded RNG)."""
-    with torch.device("meta"):
+    """Full model on CPU, initialised from the current RNG state (call under a seeded RNG).
+
+    Under `with torch.device("meta")` (dry runs) it stays on meta: shapes only, initialised later,
+    shard by shard, by `init_weights`.
+    """
+    on_meta = torch.get_default_device().type == "meta"
+    with torch.device("meta"):  # no throw-away default init: init_weights draws every value
         model = Llama(args)
-    model.to_empty(device="cpu")
-    model.init_weights()
+    if not on_meta:
+        model.to_empty(device="cpu")
+        model.init_weights()
     return model
