@@ -112,15 +112,11 @@ def build_optimizers(
 
 
 @torch.no_grad()
-def clip_grad_norm_(
-    parameters: Iterable[torch.Tensor],
-    max_norm: float,
-    pp_group: torch.distributed.ProcessGroup | None = None,
-) -> torch.Tensor:
+def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
     """Global L2 norm of all gradients (DTensor-aware); scale them to `max_norm` if it is > 0.
 
     Gradients on different device meshes (e.g. dense and expert weights) are reduced mesh by mesh
-    and then combined; `pp_group` adds the other pipeline stages' gradients to the norm.
+    and then combined. (Pipeline stages will also have to add the other stages' squared norms.)
     """
     by_mesh: dict[Any, list[torch.Tensor]] = defaultdict(list)
     for p in parameters:
@@ -133,10 +129,6 @@ def clip_grad_norm_(
     if not norms:
         return torch.zeros(())
     total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))
-    if pp_group is not None:
-        total = total**2
-        torch.distributed.all_reduce(total, group=pp_group)
-        total = total.sqrt()
     if max_norm > 0:
         for params in by_mesh.values():  # one foreach multiply per mesh: DTensor ops cannot mix meshes
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
