@@ -114,6 +114,24 @@ def test_attention_cost_weight_reads_the_flops_formula(trainer):
             ],
             r"context_parallel_mode = contiguous: model llama computes only zigzag exactly",
         ),
+        (
+            "2",
+            [
+                "--model.name",
+                "dsv4",
+                "--model.flavor",
+                "tiny",
+                "--parallelism.context_parallel_degree",
+                "2",
+                "--parallelism.context_parallel_mode",
+                "contiguous",
+                "--training.tokens_per_microbatch",
+                "32",
+            ],
+            r"tokens_per_microbatch = 32 / context_parallel_degree = 2 leaves 16 tokens per CP rank; "
+            r"model dsv4 tiny needs at least",
+        ),
+        ("1", ["--data.tokenizer", "/no/tokenizer.json"], r"/no/tokenizer.json"),
         ("1", ["--model.hf_path", "/ckpt"], r"model.hf_path = '/ckpt': initialising from a Hugging Face"),
         (
             "1",

@@ -91,6 +91,23 @@ class Trainer:
                 f"model.hf_path = {cfg.model.hf_path!r}: initialising from a Hugging Face checkpoint is not "
                 "wired into the trainer yet (leave it empty)"
             )
+        self.tokenizer = build_tokenizer(cfg.data.tokenizer)
+        model_overrides = {
+            f.name: getattr(cfg.model, f.name)
+            for f in dataclasses.fields(cfg.model)
+            if f.name not in _NOT_MODEL_ARGS and hasattr(flavor_args, f.name)
+        }
+        # Round the embedding up to a multiple of 64 rows (matmul-friendly; extra ids are never seen).
+        vocab_size = -(-self.tokenizer.vocab_size // 64) * 64
+        self.model_args = dataclasses.replace(flavor_args, vocab_size=vocab_size, **model_overrides)
+        local_T = t.tokens_per_microbatch // p.context_parallel_degree
+        min_local_T = self.spec.min_tokens_per_cp_rank(self.model_args)
+        if local_T < min_local_T:
+            raise ValueError(
+                f"training.tokens_per_microbatch = {t.tokens_per_microbatch} / context_parallel_degree = "
+                f"{p.context_parallel_degree} leaves {local_T} tokens per CP rank; model {cfg.model.name} "
+                f"{cfg.model.flavor} needs at least {min_local_T}"
+            )
         fake = cfg.comm.mode == "fake"
         world_size = int(os.environ.get("NGPU" if fake else "WORLD_SIZE", "1"))
         self.parallel_dims = ParallelDims.from_config(p, world_size)
@@ -108,7 +125,6 @@ class Trainer:
             mode=p.context_parallel_mode,
         )
 
-        self.tokenizer = build_tokenizer(cfg.data.tokenizer)
         store = None  # offline-packed rows (data.source = packed) are read by the dataloader itself
         if cfg.data.source != "packed":
             cache_dir = cfg.data.cache_dir or os.path.join(cfg.job.dump_folder, "data_cache")
@@ -118,14 +134,6 @@ class Trainer:
             store = build_token_store(cfg.data, self.tokenizer, t.seed, cache_dir, progress=self.dist.is_main)
             if self.dist.rank == 0:
                 dist_utils.barrier()
-        model_overrides = {
-            f.name: getattr(cfg.model, f.name)
-            for f in dataclasses.fields(cfg.model)
-            if f.name not in _NOT_MODEL_ARGS and hasattr(flavor_args, f.name)
-        }
-        # Round the embedding up to a multiple of 64 rows (matmul-friendly; extra ids are never seen).
-        vocab_size = -(-self.tokenizer.vocab_size // 64) * 64
-        self.model_args = dataclasses.replace(flavor_args, vocab_size=vocab_size, **model_overrides)
         self.dataloader = build_dataloader(
             cfg.data,
             store,
@@ -186,10 +194,8 @@ class Trainer:
     # ------------------------------------------------------------------ loop phases
     def next_step_batch(self) -> StepBatch:
         step_batch = next(self.dataloader)
-        assert step_batch.step == self.step, (
-            step_batch.step,
-            self.step,
-        )  # data step s feeds optimizer step s + 1
+        # Data step s feeds optimizer step s + 1 (self.step counts completed steps).
+        assert step_batch.step == self.step, (step_batch.step, self.step)
         return step_batch
 
     def forward_backward(
