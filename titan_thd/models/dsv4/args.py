@@ -211,5 +211,6 @@ flavors: dict[str, DSv4Args] = {
         compress_rope_theta=160000.0,
         rope_factor=16.0,
         rope_original_max_pos=65536,
+        attn_chunk=256,
     ),
 }
