@@ -12,6 +12,7 @@ run so a hung collective cannot stall CI.
 
 from __future__ import annotations
 
+import io
 import os
 import queue
 import socket
@@ -19,6 +20,7 @@ import traceback
 from datetime import timedelta
 from typing import Any, Callable
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -31,7 +33,6 @@ def free_port() -> int:
 
 def _worker(fn, rank, world_size, port, args, results, collective_timeout):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    import torch
 
     torch.set_num_threads(1)
     try:
@@ -43,7 +44,11 @@ def _worker(fn, rank, world_size, port, args, results, collective_timeout):
             timeout=timedelta(seconds=collective_timeout),
         )
         out = fn(rank, world_size, *args)
-        results.put((rank, True, out))
+        # Serialise to bytes: tensors sent through a torch.multiprocessing queue live in shared
+        # memory that disappears when this process exits before the parent reads them.
+        buf = io.BytesIO()
+        torch.save(out, buf)
+        results.put((rank, True, buf.getvalue()))
     except BaseException:  # noqa: BLE001 - report every failure to the parent
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -72,7 +77,7 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 
                 failures.append(f"timed out after {timeout}s waiting for ranks {sorted(set(range(world_size)) - set(outs))}")
                 break
             if ok:
-                outs[rank] = out
+                outs[rank] = torch.load(io.BytesIO(out), weights_only=False)
             else:
                 failures.append(f"rank {rank} failed:\n{out}")
                 break
