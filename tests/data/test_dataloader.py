@@ -1,5 +1,6 @@
 """StatefulDataLoader assembly: step contents against the sampler, exact resume (0 and 2 workers),
-and the layout-free state (a DP=1 step and the union of the DP=2 steps cover the same documents)."""
+and the layout-free state (identical on every rank; a DP=1 step and the union of the DP=2 steps
+cover the same documents)."""
 
 from collections import Counter
 
@@ -122,16 +123,38 @@ def test_other_dp_degree_resumes_from_the_layout_free_state():
     for _ in range(4):
         next(single)
     state = single.state_dict()
+    assert state == {"step": 4, "epoch": 0, "cursor": 48, "seed": SEED}  # 4 x 12 samples of 50
     want = next(single)
-    halves = [loader(dp_rank=r, dp_size=2) for r in range(2)]
+    halves = [loader(dp_rank=r, dp_size=2, num_workers=r * 2) for r in range(2)]
     for h in halves:
-        h.load_state_dict(state)  # another layout: restarts at the saved step
+        h.load_state_dict(state)
     got = [next(h) for h in halves]
     assert [g.step for g in got] == [4, 4]
     assert documents(got[0]) + documents(got[1]) == documents(want)
     assert got[0].trained_tokens == want.trained_tokens and got[0].real_tokens == want.real_tokens
+    # Every rank holds the same state, whatever its dp_rank or workers (a checkpoint keeps one copy).
+    assert halves[0].state_dict() == halves[1].state_dict() == single.state_dict()
     # Building at the step directly gives the same batches.
     same_batch(next(loader(dp_rank=1, dp_size=2, start_step=4)), got[1])
+
+
+def test_state_of_another_data_order_is_refused():
+    state = loader().state_dict()
+    with pytest.raises(ValueError, match=r"seed 3, this run uses training.seed = 4"):
+        build_dataloader(
+            Data(),
+            STORE,
+            dp_rank=0,
+            dp_size=1,
+            cp_size=1,
+            tokens_per_microbatch=T,
+            global_batch_size=G,
+            seed=4,
+            planner="balanced",
+            cost_attention=0.0,
+        ).load_state_dict(state)
+    with pytest.raises(ValueError, match=r"step 0 at epoch 0, cursor 0"):
+        loader().load_state_dict({**state, "cursor": 5})
 
 
 def test_overlong_samples_are_truncated_or_dropped():

@@ -5,11 +5,13 @@ processes, or in-process for 0): sample ids of the global batch from the sampler
 replicas from the global lengths (every rank computes the same plan), then only this replica's
 samples are read and packed. Its output depends on (dataset, seed, step, layout) only, so:
 
-- `state_dict()` / `load_state_dict()` resume mid-epoch exactly with the same layout (the torchdata
-  loader state, which fast-forwards its step sampler);
-- `data_state()` is layout-free ({"step", "epoch", "cursor", "seed"}); a checkpoint written with
-  one DP degree resumes with another by building the loader at that step (`start_step`), or by
-  `load_state_dict()`, which does exactly that when the saved layout differs.
+- the resume state is layout-free: `state_dict()` is `data_state()` = {"step", "epoch", "cursor",
+  "seed"}, identical on every rank, and `load_state_dict()` rebuilds the loader at that step. A
+  checkpoint written with one DP degree (or number of workers) therefore resumes with another.
+  The StatefulDataLoader's own state is deliberately not kept: the dataset is a pure function of
+  the step, so rebuilding at the step is already exact (with workers too: prefetched batches are
+  simply recomputed), while that state names this rank's dp_rank and worker layout, which a
+  checkpoint (one copy for all ranks) could not restore on other ranks anyway.
 
 `data.source = "packed"` reads offline-packed rows instead (packed_dataset.py): there
 `training.global_batch_size` counts packed rows, each row is one microbatch, and replica d takes
@@ -180,7 +182,7 @@ class THDDataLoader:
     def _build(self, start_step: int) -> None:
         if start_step < 0:
             raise ValueError(f"start_step must be >= 0, got {start_step}")
-        self.start_step = self.next_step = start_step
+        self.next_step = start_step
         self._loader = StatefulDataLoader(
             self.steps,
             batch_size=None,
@@ -212,27 +214,14 @@ class THDDataLoader:
         s = self.steps
         return sampler.data_state(self.next_step, s.global_batch_size, s.num_samples, s.seed)
 
-    def _layout(self) -> dict[str, int]:
-        return {"dp_rank": self.steps.dp_rank, "dp_size": self.steps.dp_size, "num_workers": self.num_workers}
+    def state_dict(self) -> dict[str, int]:
+        """The layout-free `data_state()`: the same on every rank (a checkpoint stores one copy)."""
+        return self.data_state()
 
-    def state_dict(self) -> dict:
-        return {
-            "data_state": self.data_state(),
-            "layout": self._layout(),
-            "start_step": self.start_step,
-            "loader": self._loader.state_dict(),
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        """Resume; with another layout (DP degree, rank, workers) restart at the saved step instead."""
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Continue at the step of a `data_state()` (any layout); ValueError if it is another data order."""
         s = self.steps
-        step = sampler.step_from_state(state["data_state"], s.global_batch_size, s.num_samples, s.seed)
-        if state.get("layout") == self._layout() and "loader" in state:
-            self._build(int(state["start_step"]))
-            self._loader.load_state_dict(state["loader"])
-            self.next_step = step
-        else:
-            self._build(step)
+        self._build(sampler.step_from_state(state, s.global_batch_size, s.num_samples, s.seed))
 
 
 def build_dataloader(
