@@ -262,10 +262,14 @@ def test_metadata_errors():
     small.cp = CPContext(size=4, rank=0, group=object(), mode="contiguous")
     with pytest.raises(ValueError, match=r"at least 16 tokens per rank .* got T = 32 / cp 4 = 8"):
         model(tokens, small)
-    two = meta(batch)
-    two.cp = CPContext(size=2, rank=0, group=object(), mode="contiguous")
-    with pytest.raises(NotImplementedError, match="added by the CP issue"):
-        model(tokens, two)
+    zigzag = meta(batch)
+    zigzag.cp = CPContext(size=2, rank=0, group=object(), mode="zigzag")
+    with pytest.raises(ValueError, match="mode 'zigzag' is not supported.*contiguous"):
+        model(tokens, zigzag)
+    unsplit = meta(batch)  # a CP context but the whole microbatch's rows
+    unsplit.cp = CPContext(size=2, rank=1, group=object(), mode="contiguous")
+    with pytest.raises(ValueError, match=r"rank 1 of 2 must hold rows 16\.\.32"):
+        model(tokens, unsplit)
 
 
 def layer_params(args: DSv4Args) -> dict[str, int]:

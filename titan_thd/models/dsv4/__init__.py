@@ -50,7 +50,6 @@ spec = ModelSpec(
 
 __all__ = [
     "DSv4Args",
-    "parallelize_dsv4",
     "DSv4Model",
     "build_dsv4",
     "export_hf",
@@ -58,5 +57,6 @@ __all__ = [
     "flops_per_step",
     "load_hf",
     "load_hf_into",
+    "parallelize_dsv4",
     "spec",
 ]

@@ -1,6 +1,6 @@
 """DeepSeek-V4 hybrid attention: sliding window, CSA and HCA (research §2-§4).
 
-Legend:  T rows   d model width   Q q_lora rank   H heads   D head dim   W window keys
+Legend:  T query rows   R key rows   d model width   Q q_lora rank   H heads   D head dim   W window keys
          C compressed entries   k indexer top-k   E visible-entry slots   G output groups
 
 All three types share: a low-rank query (weighted RMSNorm on the latent c_q, then a weightless
@@ -10,8 +10,10 @@ and a grouped low-rank output projection. The types differ only in the compresse
 sees: none (sliding), the indexer's top-k of its document's visible entries (CSA, m = 4, overlapping
 windows) or all of its document's visible entries (HCA, m' = 128, no overlap).
 
-The attention input `x_TD` (normed, mHC-collapsed) is the tensor a context-parallel left halo will
-carry (research §9.2): everything below is computed from it and from the BatchPlan's row indices.
+Under contiguous context parallelism (research §9.2) queries stay local; the key rows are the
+attention input `x_TD` (normed, mHC-collapsed) preceded by rank r-1's last `halo` rows (R = halo +
+T rows, re-projected here), and the compressed entries are all-gathered (context_parallel.py).
+Without CP, R = T.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from torch import nn
 
 from titan_thd.models.dsv4.args import DSv4Args
 from titan_thd.models.dsv4.compressor import Compressor
+from titan_thd.models.dsv4.context_parallel import gather_entries, with_left_halo
 from titan_thd.models.dsv4.indexer import Indexer, indexer_kl
 from titan_thd.models.dsv4.norm import RMSNorm, rms_norm
 from titan_thd.models.dsv4.plans import BatchPlan
@@ -57,26 +60,28 @@ class Attention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(output [T, d], indexer KL summed over valid rows, or None when not asked / not CSA)."""
         T, H, D = x_TD.shape[0], self.n_heads, self.head_dim
-        rope = plan.rope_main if self.layer_type == "sliding" else plan.rope_comp
+        rope_k, rope_q = plan.rope(self.layer_type)
+        x_RD = with_left_halo(x_TD, plan)
+        R = x_RD.shape[0]
         cq_TQ = self.q_norm(self.wq_a(x_TD))
-        q_THD = apply_rope(rms_norm(self.wq_b(cq_TQ).view(T, H, D), self.eps).to(x_TD.dtype), *rope)
-        kv_TD = apply_rope(self.kv_norm(self.wkv(x_TD)), *rope)
+        q_THD = apply_rope(rms_norm(self.wq_b(cq_TQ).view(T, H, D), self.eps).to(x_TD.dtype), *rope_q)
+        kv_RD = apply_rope(self.kv_norm(self.wkv(x_RD)), *rope_k)
 
-        idx_TK, kv_SD = plan.window_TW, kv_TD
+        idx_TK, kv_SD = plan.window_TW, kv_RD
         if self.compressor is not None:
             cplan = plan.compress[self.layer_type]
-            comp_CD = self.compressor(x_TD, cplan)
-            kv_SD = torch.cat([kv_TD, comp_CD])
+            comp_CD = gather_entries(self.compressor(x_RD, cplan), cplan, plan.group)
+            kv_SD = torch.cat([kv_RD, comp_CD])
             if self.indexer is None:
                 entries_TE = cplan.visible_all()
             else:
-                q_I, w_I, k_I = self.indexer(x_TD.detach(), cq_TQ.detach(), cplan, rope)
+                q_I, w_I, k_I = self.indexer(x_RD.detach(), cq_TQ.detach(), plan, rope_q)
                 entries_TE = self.indexer.select(q_I, w_I, k_I, cplan)
-            # Compressed entries sit after the T raw rows in the key buffer.
-            idx_TK = torch.cat([idx_TK, torch.where(entries_TE >= 0, entries_TE + T, -1)], dim=1)
+            # Compressed entries sit after the R key rows in the key buffer.
+            idx_TK = torch.cat([idx_TK, torch.where(entries_TE >= 0, entries_TE + R, -1)], dim=1)
 
         o_THD, _ = sparse_mqa(q_THD, kv_SD, idx_TK, self.attn_sink, D**-0.5, self.chunk)
-        o_THD = apply_rope(o_THD, *rope, inverse=True)
+        o_THD = apply_rope(o_THD, *rope_q, inverse=True)
         G = self.o_groups
         wo_a_GOI = self.wo_a.weight.view(G, -1, H * D // G)
         o_TGO = torch.einsum("tgi,goi->tgo", o_THD.reshape(T, G, -1), wo_a_GOI)
@@ -88,7 +93,7 @@ class Attention(nn.Module):
         student_TK = self.indexer.scores(q_I, w_I, k_I, cand_TK)
         kl = indexer_kl(
             q_THD,
-            kv_TD,
+            kv_RD,
             comp_CD,
             self.attn_sink,
             plan.window_TW,

@@ -43,6 +43,7 @@ class Compressor(nn.Module):
         kv_CMW = kv_RW[plan.own_CM]
         gate_CMW = gate_RW[plan.own_CM].to(acc) + self.ape
         if self.overlap:
+            assert plan.prev_CM is not None, "an overlapping compressor needs the previous windows"
             first_C11 = (plan.prev_CM[:, :1] < 0)[..., None]
             prev = plan.prev_CM.clamp(min=0)
             prev_kv_CMD = kv_RW[prev, :Dc].masked_fill(first_C11, 0.0)

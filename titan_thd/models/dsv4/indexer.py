@@ -2,6 +2,7 @@
 
 Legend:  T queries   HI indexer heads   I indexer head dim   C compressed entries   k top-k
          H attention heads   D attention head dim   W window keys   K candidates per query
+         R key rows (a CP left halo, then the T query rows)
 
 Score of entry s for query t (entries of the query's own document only, causal):
 
@@ -20,7 +21,8 @@ from torch import nn
 
 from titan_thd.models.dsv4.args import DSv4Args
 from titan_thd.models.dsv4.compressor import Compressor
-from titan_thd.models.dsv4.plans import CompressPlan
+from titan_thd.models.dsv4.context_parallel import gather_entries
+from titan_thd.models.dsv4.plans import BatchPlan, CompressPlan
 from titan_thd.models.dsv4.rope import apply_rope
 
 
@@ -35,15 +37,18 @@ class Indexer(nn.Module):
 
     def forward(
         self,
-        x_TD: torch.Tensor,
+        x_RD: torch.Tensor,
         cq_TQ: torch.Tensor,
-        plan: CompressPlan,
-        rope: tuple[torch.Tensor, torch.Tensor],
+        plan: BatchPlan,
+        rope_q: tuple[torch.Tensor, torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(q_THI, w_TH, k_CI) from the (already detached) attention input and query latent."""
-        k_CI = self.compressor(x_TD, plan)
-        q_THI = apply_rope(self.wq_b(cq_TQ).view(cq_TQ.shape[0], self.n_heads, self.head_dim), *rope)
-        w_TH = self.weights_proj(x_TD) * self.n_heads**-0.5
+        """(q_THI, w_TH, k_CI) from the (already detached) key-row attention input and query latent.
+
+        k_CI holds every entry of the microbatch (all-gathered under CP)."""
+        T, cplan = cq_TQ.shape[0], plan.compress["csa"]
+        k_CI = gather_entries(self.compressor(x_RD, cplan), cplan, plan.group)
+        q_THI = apply_rope(self.wq_b(cq_TQ).view(T, self.n_heads, self.head_dim), *rope_q)
+        w_TH = self.weights_proj(x_RD[x_RD.shape[0] - T :]) * self.n_heads**-0.5
         return q_THI, w_TH, k_CI
 
     @torch.no_grad()
@@ -103,7 +108,7 @@ def _topk_mask_low_index_first(score_nC: torch.Tensor, k: int) -> torch.Tensor:
 
 def indexer_kl(
     q_THD: torch.Tensor,
-    kv_TD: torch.Tensor,
+    kv_RD: torch.Tensor,
     comp_CD: torch.Tensor,
     sink_H: torch.Tensor,
     window_TW: torch.Tensor,
@@ -125,7 +130,7 @@ def indexer_kl(
     with torch.no_grad():
         for a in range(0, q_THD.shape[0], chunk):
             rows = slice(a, a + chunk)
-            lw_nHW = _logits(q_THD[rows], kv_TD, window_TW[rows], scale, acc)
+            lw_nHW = _logits(q_THD[rows], kv_RD, window_TW[rows], scale, acc)
             lc_nHK = _logits(q_THD[rows], comp_CD, cand_TK[rows], scale, acc)
             sink_nH1 = sink_H.to(acc)[None, :, None].expand(lc_nHK.shape[0], -1, 1)
             lse_nH1 = torch.cat([lw_nHW, lc_nHK, sink_nH1], dim=-1).logsumexp(-1, keepdim=True)

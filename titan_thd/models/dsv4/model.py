@@ -5,9 +5,11 @@ Legend:  T rows   N mHC streams (hc_mult)   d model width   V vocabulary
     embed -> copy into N streams -> blocks (mHC + sliding / CSA / HCA attention, mHC + MoE)
           -> hc_head -> norm -> head                                    (+ MTP block, depth 1)
 
-`model(tokens_T, meta) -> ModelOutput(logits_TV, aux_losses)`; the aux losses are SUMS over this
-rank's rows with their coefficients applied (the trainer divides them by the global trained-token
-count like the main cross-entropy):
+`model(tokens_T, meta) -> ModelOutput(logits_TV, aux_losses)`. Under contiguous context
+parallelism tokens_T and the logits are this rank's rows (meta.row_index); the attention layers
+exchange what they need with the neighbouring ranks (context_parallel.py). The aux losses are
+SUMS over this rank's rows with their coefficients applied (the trainer divides them by the global
+trained-token count like the main cross-entropy):
     "mtp":     mtp_loss_weight * sum of MTP cross-entropy over trained MTP targets,
     "indexer": indexer_loss_coeff * sum over CSA layers and valid rows of the indexer KL
                (training mode only; it is the indexer's only gradient source).
@@ -73,7 +75,11 @@ class DSv4Model(nn.Module):
 
     def _mtp_loss_sum(self, h_TND: torch.Tensor, meta: BatchMeta, plan) -> torch.Tensor:
         assert meta.loss_mask_full is not None, "MTP needs the loss mask with the labels"
-        next_T, target_T, trained_T = mtp_inputs_targets(meta.labels_full, meta.loss_mask_full, plan.doc_T)
+        # Over the whole microbatch, then this rank's rows: a row's MTP target is the next row's label,
+        # which may live on the next CP rank (labels_full is global, so no communication).
+        next_T, target_T, trained_T = (
+            v[plan.rows] for v in mtp_inputs_targets(meta.labels_full, meta.loss_mask_full, plan.doc_full)
+        )
         x_TD = self.mtp[0](h_TND, self.embed(next_T), next_T, plan)
         logits_rV = self.head(x_TD[trained_T])
         acc = torch.promote_types(logits_rV.dtype, torch.float32)

@@ -17,7 +17,7 @@ def parallelize_dsv4(
             f"parallelism.tensor_parallel_degree = {parallel_dims.tp}: tensor parallelism for dsv4 is not "
             "implemented; use 1"
         )
-    # Context parallelism needs no wrapping: the attention reads BatchMeta.cp (and refuses CP > 1 for now).
+    # Context parallelism needs no wrapping: the attention reads BatchMeta.cp (contiguous mode only).
     fsdp_mesh = parallel_dims.get_optional_mesh("fsdp")
     if fsdp_mesh is None:
         return model
