@@ -1,12 +1,18 @@
-"""Trainer: loss normalisation against an independent float64 reference, and early user errors."""
+"""Trainer: loss normalisation against an independent float64 reference, initialisation from a
+Hugging Face checkpoint, and early user errors."""
+
+import dataclasses
+import json
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from titan_thd.components.loss import cross_entropy_sum
 from titan_thd.config import load_config
 from titan_thd.data.packed_batch import IGNORE_INDEX
 from titan_thd.models.batch_meta import BatchMeta
+from titan_thd.models.dsv4 import build_dsv4, export_hf, flavors
 from titan_thd.train import Trainer, attention_cost_weight
 
 
@@ -132,7 +138,16 @@ def test_attention_cost_weight_reads_the_flops_formula(trainer):
             r"model dsv4 tiny needs at least",
         ),
         ("1", ["--data.tokenizer", "/no/tokenizer.json"], r"/no/tokenizer.json"),
-        ("1", ["--model.hf_path", "/ckpt"], r"model.hf_path = '/ckpt': initialising from a Hugging Face"),
+        (
+            "1",
+            ["--model.hf_path", "/ckpt"],
+            r"model.hf_path = '/ckpt': model llama cannot be initialised from a Hugging Face checkpoint",
+        ),
+        (
+            "1",
+            ["--model.name", "dsv4", "--model.flavor", "micro", "--model.hf_path", "/ckpt"],
+            r"/ckpt/config.json does not exist",
+        ),
         (
             "1",
             ["--model.flavor", "huge"],
@@ -145,3 +160,62 @@ def test_user_errors_before_any_process_group(tmp_path, monkeypatch, world, over
     with pytest.raises(ValueError, match=message):
         Trainer(_cfg(tmp_path, *overrides))
     assert not torch.distributed.is_initialized()
+
+
+@pytest.fixture(scope="module")
+def hf_checkpoint(tmp_path_factory):
+    """A dsv4 `micro` model (vocab 320 covers the byte tokenizer) exported in the HF format; seed 7,
+    not the trainer's seed, so that only loading can give the trainer these weights."""
+    args = dataclasses.replace(flavors["micro"], vocab_size=320)
+    torch.manual_seed(7)
+    model = build_dsv4(args)
+    return model, export_hf(model, args, tmp_path_factory.mktemp("hf") / "micro")
+
+
+def _dsv4_cfg(tmp_path, hf_path, flavor="micro"):
+    return _cfg(
+        tmp_path,
+        *("--model.name", "dsv4", "--model.flavor", flavor, "--model.hf_path", str(hf_path)),
+        *("--training.steps", "1", "--metrics.peak_tflops", "1"),
+    )
+
+
+def test_hf_checkpoint_initialises_the_trainer_model(tmp_path, hf_checkpoint):
+    reference, path = hf_checkpoint
+    trainer = Trainer(_dsv4_cfg(tmp_path, path))
+    try:
+        loaded = trainer.model.state_dict()
+        assert loaded.keys() == reference.state_dict().keys()
+        for name, value in reference.state_dict().items():
+            assert torch.equal(loaded[name], value), name
+        # The first logged loss is the exported model's loss on the first step's batch.
+        step_batch = trainer.dataloader.steps[0]
+        with torch.no_grad():
+            ce = sum(
+                cross_entropy_sum(
+                    reference(mb.tokens, BatchMeta.from_batch(mb)).logits, mb.labels, mb.loss_mask
+                )
+                for mb in step_batch.microbatches
+            )
+        trainer.train()
+    finally:
+        trainer.close()
+    first = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["loss"] == pytest.approx(float(ce) / step_batch.trained_tokens, rel=1e-6)
+
+    torch.manual_seed(42)  # the trainer's seed: without loading its weights would differ
+    fresh = build_dsv4(reference.args)
+    assert not torch.equal(fresh.state_dict()["embed.weight"], reference.state_dict()["embed.weight"])
+
+
+def test_hf_checkpoint_of_another_architecture_or_vocab_is_refused(tmp_path, hf_checkpoint):
+    _, path = hf_checkpoint
+    with pytest.raises(
+        ValueError, match=r"config.json does not match the given args: .*dim: checkpoint 128 vs"
+    ):
+        Trainer(_dsv4_cfg(tmp_path, path, flavor="tiny"))
+    small = tmp_path / "small_vocab"
+    small.mkdir()
+    (small / "config.json").write_text(json.dumps({"vocab_size": 100}))
+    with pytest.raises(ValueError, match=r"vocab_size = 100, fewer rows than the tokenizer's 264 ids"):
+        Trainer(_dsv4_cfg(tmp_path, small))

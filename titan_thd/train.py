@@ -13,11 +13,13 @@ sums gradients over ranks, so loss and gradients do not depend on the parallel l
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import sys
 import time
 import warnings
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,7 +29,12 @@ from titan_thd.components.checkpoint import CheckpointManager, model_fingerprint
 from titan_thd.components.loss import cross_entropy_sum
 from titan_thd.components.lr_scheduler import LRSchedulersContainer
 from titan_thd.components.metrics import MetricsLogger, peak_tflops_per_rank, step_metrics
-from titan_thd.components.optimizer import OptimizersContainer, build_optimizers, clip_grad_norm_
+from titan_thd.components.optimizer import (
+    OptimizersContainer,
+    build_optimizers,
+    clip_grad_norm_,
+    default_matrix_params,
+)
 from titan_thd.config import Config, help_text, load_config, to_toml, validate
 from titan_thd.data.cp_partition import partition
 from titan_thd.data.dataloader import StepBatch, THDDataLoader, build_dataloader
@@ -39,7 +46,7 @@ from titan_thd.models.batch_meta import BatchMeta, CPContext
 from titan_thd.models.spec import ModelSpec, as_dtype, count_params
 from titan_thd.parallel import distributed as dist_utils
 from titan_thd.parallel.distributed import DistInfo
-from titan_thd.parallel.fsdp import build_on_meta, materialize_sharded
+from titan_thd.parallel.fsdp import build_on_meta, estimate_memory_per_rank, materialize_sharded
 from titan_thd.parallel.parallel_dims import ParallelDims
 
 logger = logging.getLogger("titan_thd")
@@ -86,10 +93,11 @@ class Trainer:
                 f"parallelism.context_parallel_mode = {p.context_parallel_mode}: model {cfg.model.name} "
                 f"computes only {', '.join(self.spec.cp_modes)} exactly"
             )
-        if cfg.model.hf_path:
+        init_from_hf = self.spec.hooks.get("init_from_hf")
+        if cfg.model.hf_path and init_from_hf is None:
             raise ValueError(
-                f"model.hf_path = {cfg.model.hf_path!r}: initialising from a Hugging Face checkpoint is not "
-                "wired into the trainer yet (leave it empty)"
+                f"model.hf_path = {cfg.model.hf_path!r}: model {cfg.model.name} cannot be initialised from a "
+                "Hugging Face checkpoint (its ModelSpec has no init_from_hf hook); leave model.hf_path empty"
             )
         self.tokenizer = build_tokenizer(cfg.data.tokenizer)
         model_overrides = {
@@ -97,8 +105,10 @@ class Trainer:
             for f in dataclasses.fields(cfg.model)
             if f.name not in _NOT_MODEL_ARGS and hasattr(flavor_args, f.name)
         }
-        # Round the embedding up to a multiple of 64 rows (matmul-friendly; extra ids are never seen).
-        vocab_size = -(-self.tokenizer.vocab_size // 64) * 64
+        if cfg.model.hf_path:  # the checkpoint fixes the embedding size
+            vocab_size = hf_vocab_size(cfg.model.hf_path, self.tokenizer.vocab_size)
+        else:  # a multiple of 64 rows (matmul-friendly; the extra ids are never seen)
+            vocab_size = -(-self.tokenizer.vocab_size // 64) * 64
         self.model_args = dataclasses.replace(flavor_args, vocab_size=vocab_size, **model_overrides)
         local_T = t.tokens_per_microbatch // p.context_parallel_degree
         min_local_T = self.spec.min_tokens_per_cp_rank(self.model_args)
@@ -154,6 +164,10 @@ class Trainer:
             model = build_on_meta(lambda: self.spec.build(self.model_args))
         else:
             model = self.spec.build(self.model_args)
+        if cfg.model.hf_path and fake:
+            logger.warning("model.hf_path: not loaded in a fake-process-group dry run (meta weights)")
+        elif cfg.model.hf_path:  # full weights, before sharding; ValueError when the architecture differs
+            init_from_hf(model, cfg.model.hf_path)
         model.to(as_dtype(t.dtype))
         if self.spec.parallelize is not None:
             model = self.spec.parallelize(model, self.parallel_dims, p)
@@ -282,9 +296,9 @@ class Trainer:
                 break
 
     def close(self) -> None:
+        """Flush the metrics and restore the signal handler (the process group stays up: main() ends it)."""
         self.metrics.close()
         self.checkpointer.close()
-        dist_utils.destroy()
 
     # ------------------------------------------------------------------ helpers
     def _log_header(self) -> None:
@@ -300,6 +314,14 @@ class Trainer:
             self.model_args.vocab_size,
             self.tokenizer.vocab_size,
             c.training.dtype,
+        )
+        muon = c.optimizer.name == "muon"
+        muon_params = (self.spec.matrix_params or default_matrix_params)(self.model) if muon else ()
+        logger.info(
+            "%s",
+            estimate_memory_per_rank(
+                self.model, d, c.optimizer.name, as_dtype(c.training.dtype), muon_params
+            ),
         )
         logger.info(
             "world %d on %s%s: dp %d, cp %d (%s), tp %d, pp %d",
@@ -328,6 +350,23 @@ class Trainer:
             self.peak_tflops,
             "metrics.peak_tflops" if c.metrics.peak_tflops else "measured matmul peak",
         )
+
+
+def hf_vocab_size(path: str, tokenizer_vocab: int) -> int:
+    """`vocab_size` of a Hugging Face checkpoint's config.json (it must cover the tokenizer's ids)."""
+    cfg_file = Path(path) / "config.json"
+    try:
+        vocab = int(json.loads(cfg_file.read_text())["vocab_size"])
+    except FileNotFoundError:
+        raise ValueError(f"model.hf_path = {path!r}: {cfg_file} does not exist") from None
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"model.hf_path: {cfg_file} has no integer vocab_size ({e!r})") from None
+    if vocab < tokenizer_vocab:
+        raise ValueError(
+            f"model.hf_path: {cfg_file} has vocab_size = {vocab}, fewer rows than the tokenizer's "
+            f"{tokenizer_vocab} ids (data.tokenizer must be the checkpoint's tokenizer)"
+        )
+    return vocab
 
 
 def attention_cost_weight(spec: ModelSpec, args: Any) -> float:
@@ -365,8 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if trainer is not None:
             trainer.close()
-        else:
-            dist_utils.destroy()
+        dist_utils.destroy()
     return 0
 
 
