@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Train with titan_thd: installs what it needs (quick when installed), then launches torchrun.
+# Train with titan_thd: installs what it needs (quick when installed), then launches the trainer
+# (one process directly, NGPU > 1 with torchrun).
 #
 #   ./run_train.sh --config debug_dense_thd.toml [--section.field value ...]
 #
@@ -10,6 +11,8 @@
 #   LOG_RANK=0,1  local ranks whose output is shown (default 0)
 #   COMM_MODE=fake  one process simulates NGPU ranks on a fake process group for one step
 #                   (a dry run of the parallel layout; losses are meaningless)
+# SIGTERM (kill -TERM <pid of run_train.sh>): every rank finishes its step, saves a checkpoint
+# (with checkpoint.enable) and the run exits 0.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 
@@ -73,6 +76,22 @@ if [[ -n "${COMM_MODE:-}" ]]; then
   NGPU="$NGPU" exec "$VENV/bin/python" -m titan_thd.train --job.config_file "$config_file" "${args[@]}" \
     --comm.mode "$COMM_MODE" --training.steps 1
 fi
-exec "$VENV/bin/torchrun" --nproc_per_node="$NGPU" --rdzv_backend c10d --rdzv_endpoint="localhost:0" \
+if [[ "$NGPU" == 1 ]]; then
+  # One process needs no launcher; `kill -TERM` then reaches the trainer itself.
+  exec "$VENV/bin/python" -m titan_thd.train --job.config_file "$config_file" "${args[@]}"
+fi
+"$VENV/bin/torchrun" --nproc_per_node="$NGPU" --rdzv_backend c10d --rdzv_endpoint="localhost:0" \
   --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
-  -m titan_thd.train --job.config_file "$config_file" "${args[@]}"
+  -m titan_thd.train --job.config_file "$config_file" "${args[@]}" &
+launcher=$!
+# SIGTERM goes to the ranks (torchrun's children), not to torchrun: each rank finishes its step,
+# saves a checkpoint and exits 0, and torchrun then exits 0 too. (torchrun itself would answer a
+# SIGTERM with a SignalException, exit 1, and kill ranks still saving after its shutdown timeout.)
+trap 'pkill -TERM -P "$launcher" || true' TERM
+status=0
+wait "$launcher" || status=$?
+while kill -0 "$launcher" 2>/dev/null; do # `wait` returns early when the trap runs
+  status=0
+  wait "$launcher" || status=$?
+done
+exit "$status"

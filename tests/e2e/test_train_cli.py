@@ -1,13 +1,17 @@
-"""End to end through ./run_train.sh: a real 20-step run whose loss falls, a 2-rank run with the
-same losses, a fake-process-group dry run, and the user errors of the launcher."""
+"""End to end through ./run_train.sh: a real 20-step run whose loss falls; SIGTERM to 1- and
+2-rank runs (checkpoint, exit 0, the same losses, resume); fake-process-group dry runs with the
+memory estimate; the user errors of the launcher."""
 
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from titan_thd.train import main
 
@@ -78,78 +82,141 @@ def test_twenty_steps_loss_falls_and_outputs_exist(run20):
     assert "step    20  loss" in proc.stdout + proc.stderr  # console line of the last step
 
 
-@pytest.mark.slow
-def test_two_ranks_reproduce_the_single_rank_losses(run20, tmp_path):
-    """FSDP over 2 gloo ranks: same data, same init, global-token loss -> the same losses."""
-    proc = run_train(
-        "--config",
-        CONFIG,
-        *SMALL,
-        "--training.steps",
-        "3",
-        "--job.dump_folder",
-        str(tmp_path),
-        "--metrics.enable_tensorboard",
-        "false",
-        env={"NGPU": "2"},
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    one, two = records(run20[0])[:3], records(tmp_path)
-    for a, b in zip(one, two):
-        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
-        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
-        assert b["tokens_real"] == a["tokens_real"] and b["tokens_trained"] == a["tokens_trained"]
-    assert "[rank1]" not in proc.stdout + proc.stderr  # LOG_RANK defaults to rank 0 only
+def stop_with_sigterm(proc: subprocess.Popen, after_step: int) -> str:
+    """Send SIGTERM to run_train.sh once step `after_step` is logged; the whole output."""
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if re.search(rf"step +{after_step} +loss", line):
+            proc.send_signal(signal.SIGTERM)
+            break
+    rest, _ = proc.communicate(timeout=300)
+    return "".join(lines) + rest
 
 
 @pytest.mark.slow
-def test_resume_from_checkpoint_continues_the_run(run20, tmp_path):
-    """Stop after step 2 (checkpoint), resume to step 4: the steps match the uninterrupted run."""
+@pytest.mark.parametrize("ngpu", ["1", "2"])
+def test_sigterm_to_run_train_saves_and_exits_zero(run20, tmp_path, ngpu):
+    """`kill -TERM <run_train.sh>` mid-run: the ranks finish the step, save it, and the run exits 0
+    (NGPU=2: torchrun is not signalled, so it neither fails nor kills ranks still saving). The
+    steps reproduce the 1-rank run; one process then resumes and continues it."""
     common = [
         "--config",
         CONFIG,
         *SMALL,
-        "--checkpoint.enable",
-        "true",
+        "--training.steps",
+        "20",
         "--lr_scheduler.total_steps",
         "20",
+        "--metrics.log_freq",
+        "1",
+        "--checkpoint.enable",
+        "true",
         "--job.dump_folder",
         str(tmp_path),
         "--metrics.enable_tensorboard",
         "false",
     ]
-    for steps in ("2", "4"):
-        proc = run_train(*common, "--training.steps", steps)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "checkpoint: resumed from" in proc.stderr
-    resumed, reference = records(tmp_path), records(run20[0])[:4]
-    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
-    for a, b in zip(resumed, reference):
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6) and a["lr"] == pytest.approx(
-            b["lr"], rel=1e-12
+    proc = subprocess.Popen(
+        ["./run_train.sh", *common],
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "NGPU": ngpu},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    out = stop_with_sigterm(proc, after_step=2)
+    assert proc.returncode == 0, out[-3000:]
+    assert "Traceback" not in out and "SignalException" not in out, out[-3000:]
+    stopped = int(re.search(r"stopped by signal after step (\d+)", out).group(1))
+    assert 2 <= stopped < 20
+    assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == [f"step-{stopped}"]
+    one, got = records(run20[0]), records(tmp_path)
+    assert [r["step"] for r in got] == list(range(1, stopped + 1))
+    for a, b in zip(one, got):  # 2 ranks sum in another order: not bitwise
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5 if ngpu == "2" else 1e-6)
+        assert b["tokens_real"] == a["tokens_real"] and b["tokens_trained"] == a["tokens_trained"]
+    if ngpu == "2":
+        assert "[rank1]" not in out  # LOG_RANK defaults to rank 0 only
+        return
+    proc = run_train(*common, "--training.steps", str(stopped + 2))  # the last value of a key wins
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"checkpoint: resumed from {tmp_path / 'checkpoint' / f'step-{stopped}'}" in proc.stderr
+    resumed = records(tmp_path)
+    assert [r["step"] for r in resumed] == list(range(1, stopped + 3))
+    for a, b in zip(one, resumed):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-6) and b["lr"] == pytest.approx(
+            a["lr"], rel=1e-12
         )
 
 
-@pytest.mark.slow
-def test_fake_mode_dry_run_and_too_many_processes(tmp_path):
-    proc = run_train(
-        "--config", CONFIG, *SMALL, "--job.dump_folder", str(tmp_path), env={"COMM_MODE": "fake", "NGPU": "4"}
+def params_per_rank(log: str) -> tuple[int, int]:
+    """(parameters of the model, parameters of one rank) from the log header."""
+    total = int(re.search(r"model llama/debug: ([\d,]+) parameters", log).group(1).replace(",", ""))
+    rank = int(
+        re.search(r"([\d,]+) parameters per rank; estimated memory per rank: params", log)
+        .group(1)
+        .replace(",", "")
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "world 4 on cpu (fake process group): dp 4" in proc.stderr
-    assert [r["step"] for r in records(tmp_path)] == [1]
+    return total, rank
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "world, layout, header",
+    [
+        pytest.param(
+            "8",
+            ["--parallelism.context_parallel_degree", "2", "--data.pad_to_multiple", "4"],
+            "dp 4, cp 2 (zigzag)",
+            # Remove the mark when it XPASSes: the step fails in varlen_attention until then.
+            marks=pytest.mark.xfail(
+                reason="llama context-parallel attention lands with the CP issue", strict=True
+            ),
+        ),
+        ("64", ["--training.global_batch_size", "128"], "dp 64, cp 1"),
+    ],
+)
+def test_fake_mode_dry_run_prints_memory_per_rank(tmp_path, world, layout, header):
+    """Every dimension of the debug model divides by 8 and 64: a rank holds exactly 1/world."""
     proc = run_train(
         "--config",
         CONFIG,
+        *SMALL,
+        *layout,
+        "--metrics.peak_tflops",
+        "1",
+        "--job.dump_folder",
+        str(tmp_path),
+        env={"COMM_MODE": "fake", "NGPU": world},
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"world {world} on cpu (fake process group): {header}" in proc.stderr
+    total, rank = params_per_rank(proc.stderr)
+    assert rank * int(world) == total
+    mib = rank * 4 / 2**20  # fp32 parameters, gradients, and two AdamW states
+    assert (
+        f"params {mib:.2f} MiB + grads {mib:.2f} MiB + optimizer {2 * mib:.2f} MiB = {4 * mib:.2f} MiB"
+        in proc.stderr
+    )
+    assert [r["step"] for r in records(tmp_path)] == [1]
+
+
+def test_fake_mode_world_the_degrees_do_not_multiply_to(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("NGPU", "2")  # what run_train.sh passes on with COMM_MODE=fake
+    config = str(ROOT / "train_configs" / CONFIG)
+    args = [
+        "--comm.mode",
+        "fake",
         "--parallelism.data_parallel_shard_degree",
         "1",
         "--job.dump_folder",
         str(tmp_path),
-        env={"COMM_MODE": "fake", "NGPU": "2"},
-    )
-    assert proc.returncode == 2
-    assert "parallel degrees multiply to 1" in proc.stderr and "the world has 2 processes" in proc.stderr
-    assert "Traceback" not in proc.stderr
+    ]
+    assert main(["--job.config_file", config, *args]) == 2
+    err = capsys.readouterr().err
+    assert "parallel degrees multiply to 1" in err and "the world has 2 processes" in err
+    assert not torch.distributed.is_initialized()
 
 
 def test_bad_key_and_missing_config_are_clear_errors():

@@ -119,7 +119,10 @@ def test_meta_build_shard_materialize(fake_world):
         4 * est.params,
         8 * est.params,
     )
-    assert "parameters per rank" in str(est)
+    assert str(est) == (
+        "2,097,152 parameters per rank; estimated memory per rank: params 8.00 MiB + grads 8.00 MiB + "
+        "optimizer 16.00 MiB = 32.00 MiB (activations excluded)"
+    )
 
 
 def test_memory_estimate_muon_and_bf16():

@@ -99,11 +99,13 @@ class MemoryEstimate:
         return self.param_bytes + self.grad_bytes + self.optimizer_bytes
 
     def __str__(self) -> str:
-        gib = 1024**3
+        # One unit for the whole line: GiB for real models, MiB for the small ones of tests.
+        unit, scale = ("GiB", 1024**3) if self.total_bytes >= 1024**3 else ("MiB", 1024**2)
         return (
             f"{self.params:,} parameters per rank; estimated memory per rank: "
-            f"params {self.param_bytes / gib:.2f} GiB + grads {self.grad_bytes / gib:.2f} GiB + "
-            f"optimizer {self.optimizer_bytes / gib:.2f} GiB = {self.total_bytes / gib:.2f} GiB (activations excluded)"
+            f"params {self.param_bytes / scale:.2f} {unit} + grads {self.grad_bytes / scale:.2f} {unit} + "
+            f"optimizer {self.optimizer_bytes / scale:.2f} {unit} = {self.total_bytes / scale:.2f} {unit} "
+            "(activations excluded)"
         )
 
 
