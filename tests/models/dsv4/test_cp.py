@@ -5,8 +5,9 @@ indexer KL on) is split with `partition(..., "contiguous")`; every rank runs the
 with the left halo and the compressed-entry all-gather. The reference is the same model on the
 whole microbatch in this process. Compared: the logits (concatenated over ranks), the CE / MTP /
 indexer sums and every parameter gradient (summed over ranks, as FSDP's reduce-scatter does), and
-the routers' expert loads, in float64 (rel 1e-10) and float32 (rel 1e-5). `_coverage` asserts
-that the batch really has the boundary cases for each CP degree, instead of trusting a comment.
+the routers' expert loads, in float64 (rel 1e-10) and float32 (rel 1e-5), with the sparse and the
+dense indexer KL, and on a batch where one rank holds padding only. `_coverage` asserts that the
+main batch really has the boundary cases for each CP degree, instead of trusting a comment.
 """
 
 from __future__ import annotations
@@ -24,12 +25,20 @@ from titan_thd.models.batch_meta import BatchMeta, CPContext
 # Rows: doc 0 [0, 6) real 5 (shorter than the window 8), doc 1 [6, 78) real 71, doc 2 [78, 92),
 # doc 3 [92, 114), tail padding [114, 128). Odd lengths + pad_to 2 misalign windows with the ranks.
 BATCH = {"lengths": [5, 71, 13, 22], "pad_to": 2, "tail": 14, "seed": 3, "trained": 0.8}
-DTYPES = {"float64": (torch.float64, 1e-10), "float32": (torch.float32, 1e-5)}
+# At cp = 4 the last rank holds tail padding only: no real row, no entry, still in every collective.
+IDLE_RANK = {"lengths": [90], "tail": 38, "seed": 4, "trained": 0.8}
+# name -> (batch, dtype, relative tolerance, micro() overrides)
+CASES = {
+    "float64": (BATCH, torch.float64, 1e-10, {}),
+    "float32": (BATCH, torch.float32, 1e-5, {}),
+    "dense-kl": (BATCH, torch.float64, 1e-10, {"indexer_loss_mode": "dense"}),
+    "idle-rank": (IDLE_RANK, torch.float64, 1e-10, {}),
+}
 LEAK_DOC = 1  # spans 3 ranks at cp = 4
 
 
-def _batch():
-    return packed(**BATCH, vocab=micro().vocab_size)
+def _batch(spec: dict = BATCH):
+    return packed(**spec, vocab=micro().vocab_size)
 
 
 def _run(model, tokens, meta, batch) -> dict[str, torch.Tensor]:
@@ -73,12 +82,14 @@ def _cp_body(rank: int, world: int) -> dict[int, dict[str, dict[str, torch.Tenso
     results = {}
     for cp_size, group in ((2, pairs[rank // 2]), (world, dist.group.WORLD)):
         cp_rank = rank % cp_size
-        local = partition(batch, cp_size, cp_rank, "contiguous")
         cp = CPContext(size=cp_size, rank=cp_rank, group=group, mode="contiguous")
         res = {}
-        for name, (dtype, _tol) in DTYPES.items():
-            meta = BatchMeta.from_batch(local, cp=cp, full=batch)
-            res[name] = _run(build(micro(), dtype=dtype).train(), local.tokens, meta, local)
+        for name, (spec, dtype, _tol, overrides) in CASES.items():
+            _tokens, full = _batch(spec)
+            local = partition(full, cp_size, cp_rank, "contiguous")
+            meta = BatchMeta.from_batch(local, cp=cp, full=full)
+            res[name] = _run(build(micro(**overrides), dtype=dtype).train(), local.tokens, meta, local)
+        local = partition(batch, cp_size, cp_rank, "contiguous")
         in_doc = (local.row_index >= leak.start) & (local.row_index < leak.stop)
         meta = BatchMeta.from_batch(local, cp=cp, full=batch)
         res["leak"] = {"grad": _embedding_grad(build(micro()).train(), local.tokens, meta, in_doc)}
@@ -118,12 +129,13 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.fixture(scope="module")
 def reference() -> dict[str, dict[str, torch.Tensor]]:
+    ref = {}
+    for name, (spec, dtype, _tol, overrides) in CASES.items():
+        tokens, batch = _batch(spec)
+        ref[name] = _run(
+            build(micro(**overrides), dtype=dtype).train(), tokens, BatchMeta.from_batch(batch), batch
+        )
     tokens, batch = _batch()
-    meta = BatchMeta.from_batch(batch)
-    ref = {
-        name: _run(build(micro(), dtype=dtype).train(), tokens, meta, batch)
-        for name, (dtype, _) in DTYPES.items()
-    }
     leak = doc_slices(batch)[LEAK_DOC]
     in_doc = torch.zeros(batch.total_tokens, dtype=torch.bool)
     in_doc[leak] = True
@@ -144,7 +156,7 @@ def test_contiguous_cp_equals_one_process(reference):
         per_rank = [launch[r][cp] for r in range(cp)]
         if cp == 2:  # the second pair computed the same thing on its own sub-group
             for r in (2, 3):
-                for name in DTYPES:
+                for name in CASES:
                     assert all(
                         torch.equal(launch[r][2][name][k], launch[r - 2][2][name][k]) for k in reference[name]
                     )
@@ -153,7 +165,7 @@ def test_contiguous_cp_equals_one_process(reference):
 
 
 def _check_parity(cp: int, per_rank: list, reference: dict) -> None:
-    for name, (_dtype, tol) in DTYPES.items():
+    for name, (_spec, _dtype, tol, _overrides) in CASES.items():
         ref = reference[name]
         got = {k: sum(r[name][k] for r in per_rank) for k in ref if k != "logits"}
         got["logits"] = torch.cat([r[name]["logits"] for r in per_rank])

@@ -262,6 +262,12 @@ def test_metadata_errors():
     small.cp = CPContext(size=4, rank=0, group=object(), mode="contiguous")
     with pytest.raises(ValueError, match=r"at least 16 tokens per rank .* got T = 32 / cp 4 = 8"):
         model(tokens, small)
+    odd = meta(batch)
+    odd.cp = CPContext(size=3, rank=0, group=object(), mode="contiguous")
+    with pytest.raises(
+        ValueError, match=r"T divisible by cp; got T = 32, cp 3 \(smallest valid T >= 32: 33\)"
+    ):
+        model(tokens, odd)
     zigzag = meta(batch)
     zigzag.cp = CPContext(size=2, rank=0, group=object(), mode="zigzag")
     with pytest.raises(ValueError, match="mode 'zigzag' is not supported.*contiguous"):
