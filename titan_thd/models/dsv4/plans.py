@@ -142,8 +142,8 @@ def _local_rows(meta: BatchMeta, args: DSv4Args, T_full: int) -> tuple[int, int,
     lo, hi = cp.rank * local, (cp.rank + 1) * local
     if meta.row_index is None or not torch.equal(meta.row_index.cpu(), torch.arange(lo, hi)):
         raise ValueError(
-            f"dsv4: CP rank {cp.rank} of {cp.size} must hold rows {lo}..{hi} of the microbatch (a contiguous "
-            "split, titan_thd.data.cp_partition.partition(..., 'contiguous'); row_index says otherwise"
+            f"dsv4: CP rank {cp.rank} of {cp.size} must hold rows {lo}..{hi} of the microbatch (the contiguous "
+            "split of titan_thd.data.cp_partition.partition); meta.row_index says otherwise"
         )
     return lo, hi, args.halo
 
