@@ -17,11 +17,13 @@ its microbatches. Under CP each of the `cp` ranks of a replica carries cost / cp
   For K = a lower bound, K + 1, ...: (1) greedy placement, samples by decreasing cost, each on the
   replica with the lowest *projected* final cost (cost now + its missing tokens at the average
   cost per token still to place), best fit inside it; (2) repair of the samples that fit nowhere
-  by exchanging groups of one or two samples between microbatches until none overflows (else
-  K + 1); (3) local search: exchanges of samples (then pairs) between the slowest replica and
-  the others while that lowers the slowest. A heuristic (the problem is NP-hard): on tiny inputs
-  it finds the optimal K and comes within a few % of the optimal cost (brute force in
-  tests/data/test_planner.py); a few ms for 1000 samples (scripts/bench_planner.py).
+  by exact subset-sum re-splits of two microbatches, and where those cannot help, a re-packing of
+  the microbatches with room or overflow (else K + 1); (3) local search: exchanges of samples
+  (then pairs) between the slowest replica and the others while that lowers the slowest. A
+  heuristic (the problem is NP-hard): on tiny inputs it finds the optimal K and comes within a
+  few % of the optimal cost (brute force in tests/data/test_planner.py); on batches built to
+  have a perfect packing (zero room left) it finds it nearly always; a few ms for 1000 samples
+  (scripts/bench_planner.py).
 """
 
 from __future__ import annotations
@@ -40,7 +42,6 @@ _MAX_SEARCH_STEPS = 128
 _SEARCH_PARTNERS = 4  # swap partners: the cheapest few replicas
 _ANCHORS = 16  # group exchanges: only groups with one of r's 16 costliest samples
 _WINDOW = 4  # group exchanges: partner groups looked at on each side of a length
-_REPAIR_DONORS = 16  # the overflow repair asks the roomiest microbatches first
 _GOOD_ENOUGH = 1e-3  # stop once the slowest replica is within 0.1 % of the mean
 _MIN_GAIN = 1e-4  # or once the best exchange lowers it by less than 0.01 %
 
@@ -187,88 +188,133 @@ def _groups(items: np.ndarray, bin_of: np.ndarray, lens: np.ndarray):
     return first_a, second_a, length, bin_of[first_a]
 
 
-def _best_relief(z_len: np.ndarray, ex: int | None, donors: np.ndarray, lens, bin_of, bin_free):
-    """Best exchange of a group of microbatch o (group lengths `z_len`) for a group of one of `donors`
-    (or nothing): returns (index into z_len, (w1, w2, w_len, w_bin), index of w) or None.
+def _subset_near(sizes: list[int], lo: int, cap: int) -> tuple[int, list[int]]:
+    """A subset of `sizes` whose total is the smallest reachable one in [lo, cap], or else the
+    largest one <= cap; returns (total, positions of one such subset).
 
-    o overflows by `ex`: moving d tokens to a donor with `free` room removes
-    min(d, ex, free, ex + free - d) tokens of overflow, so per donor group only the two z groups
-    around d = min(ex, free) need checking (a binary search over the sorted z lengths).
-    `ex` None: o has room and gathers more, the largest d <= free.
+    Exact subset sum over reachable totals kept as bits of a Python int (a few thousand bits: the
+    sizes are in units of the lengths' common divisor). Ties keep the earlier sizes: walking back
+    from the last size, a size is taken only if the total is unreachable without it.
     """
-    w1, w2, w_len, w_bin = _groups(np.nonzero(np.isin(bin_of, donors))[0], bin_of, lens)
-    none = np.full(donors.size, -1)  # taking nothing back = a plain move
-    w1, w2 = np.concatenate([w1, none]), np.concatenate([w2, none])
-    w_len, w_bin = np.concatenate([w_len, np.zeros(donors.size, np.int64)]), np.concatenate([w_bin, donors])
-    z_order = np.argsort(z_len, kind="stable")
-    z_sorted = z_len[z_order]
-    free = bin_free[w_bin]
-    if ex is None:
-        candidates = (np.searchsorted(z_sorted, w_len + free, "right") - 1,)
-    else:
-        above = np.searchsorted(z_sorted, w_len + np.minimum(ex, free))  # first group with d >= min(ex, free)
-        candidates = (above, above - 1)
-    best_gain, best_pick = np.zeros(w_len.size, np.int64), np.full(w_len.size, -1)
-    for cand in candidates:
-        valid = (cand >= 0) & (cand < z_sorted.size)
-        d = z_sorted[np.clip(cand, 0, z_sorted.size - 1)] - w_len
-        if ex is None:
-            gain = np.where(valid & (d > 0) & (d <= free), d, 0)
-        else:
-            gain = np.where(
-                valid & (d > 0), np.minimum(np.minimum(d, ex), np.minimum(free, ex + free - d)), 0
-            )
-        better = gain > best_gain
-        best_gain = np.where(better, gain, best_gain)
-        best_pick = np.where(better, cand, best_pick)
-    w = int(np.argmax(best_gain))
-    if best_gain[w] <= 0:
-        return None
-    return int(z_order[best_pick[w]]), (w1, w2, w_len, w_bin), w
+    window = (1 << (cap + 1)) - 1
+    reach = [1]
+    for size in sizes:
+        reach.append((reach[-1] | (reach[-1] << size)) & window)
+    above = reach[-1] >> lo
+    best = lo + (above & -above).bit_length() - 1 if above else reach[-1].bit_length() - 1
+    total, taken = best, []
+    for k in range(len(sizes) - 1, -1, -1):
+        if not (reach[k] >> total) & 1:
+            taken.append(k)
+            total -= sizes[k]
+    assert total == 0, total
+    return best, taken
 
 
-def _repair(lens: np.ndarray, bin_of: np.ndarray, bin_free: np.ndarray) -> bool:
+def _refill(b: int, o: int, want: int, units: np.ndarray, bin_of: np.ndarray, cap: int) -> int:
+    """Re-split the samples of microbatches b and o so that b gains `want` units (or the most it can
+    below that, never more than fits): returns the units b gained (0: nothing changes)."""
+    own, other = np.nonzero(bin_of == b)[0], np.nonzero(bin_of == o)[0]
+    # o's samples after b's, its longest last: they move only where they must (long samples carry
+    # most of the attention cost, which would shift between replicas).
+    pool = np.concatenate([own, other[np.argsort(units[other], kind="stable")]])
+    load = int(units[own].sum())
+    best, taken = _subset_near(units[pool].tolist(), min(load + want, cap), cap)
+    if best <= load:
+        return 0
+    bin_of[pool] = o
+    bin_of[pool[taken]] = b
+    return best - load
+
+
+def _repair(
+    lens: np.ndarray, costs: np.ndarray, bin_of: np.ndarray, bin_free: np.ndarray, T: int, K: int
+) -> bool:
     """Fit the samples the greedy pass could not place; False if some microbatch stays over T.
 
-    Leftovers go (over capacity) to the microbatches with the most room; then, while a microbatch
-    o overflows, one or two of its samples are exchanged for zero, one or two samples of a
-    microbatch with room (the roomiest few first, then all). When no such exchange exists, room
-    is gathered first: the roomiest microbatch takes room from the others by the same kind of
-    exchange, which widens the lengths that fit there. Total overflow falls at every exchange
-    with o and the largest room grows at every gathering step, so this ends.
+    Leftovers go (over capacity) to the roomiest microbatch of the cheapest replica. Then, while a
+    microbatch o overflows: (1) the samples of o and of one microbatch b with room are re-split
+    so that b takes just what relieves o (an exact subset sum over both, so any exchange, not
+    only of one or two samples), b from o's replica first (no cost moves between replicas), then
+    the roomiest; (2) if no b can, the roomiest microbatch R gathers room: another microbatch is
+    filled as full as it can be from itself and R; (3) if that cannot either (near-full
+    microbatches of few long samples leave nothing to exchange pairwise), the microbatches with
+    an overflow or room are packed again from all of their samples (`_repack`), with more and
+    more full ones while that fails. Total overflow falls at every step (1), R's room grows at
+    every step (2), and a successful step (3) ends it, so this terminates.
     """
     left = np.nonzero(bin_of < 0)[0]
+    placed = bin_of >= 0
+    rep_cost = np.bincount(bin_of[placed] // K, weights=costs[placed], minlength=bin_free.size // K)
     for i in left[np.argsort(-lens[left], kind="stable")].tolist():
-        b = int(np.argmax(bin_free))
+        r = int(np.argmin(rep_cost))  # the cheapest replica, into its roomiest microbatch
+        b = r * K + int(np.argmax(bin_free[r * K : (r + 1) * K]))
         bin_of[i] = b
         bin_free[b] -= lens[i]
+        rep_cost[r] += costs[i]
+    unit = math.gcd(T, *np.unique(lens).tolist())
+    units, cap = lens // unit, T // unit
+
+    def apply(b: int, o: int, want: int) -> int:
+        gained = _refill(b, o, want, units, bin_of, cap)
+        bin_free[b] -= gained * unit
+        bin_free[o] += gained * unit
+        return gained
+
     while (bin_free < 0).any():
-        roomy = np.nonzero(bin_free > 0)[0]
-        roomy = roomy[np.argsort(-bin_free[roomy], kind="stable")]
         o = int(np.argmin(bin_free))
-        ex = -int(bin_free[o])
-        for donors in (roomy[:_REPAIR_DONORS], roomy[_REPAIR_DONORS:], None):
-            if donors is None and roomy.size > 1:  # gather room in the roomiest microbatch
-                o, ex, donors = int(roomy[0]), None, roomy[1:]
-            if donors is None or donors.size == 0:
-                continue
-            z1, z2, z_len, _ = _groups(np.nonzero(bin_of == o)[0], bin_of, lens)
-            found = _best_relief(z_len, ex, donors, lens, bin_of, bin_free)
-            if found is not None:
-                break
-        else:
-            return False
-        z, (w1, w2, w_len, w_bin), w = found
-        b = int(w_bin[w])
-        for item in (z1[z], z2[z]):
-            if item >= 0:
-                bin_of[item] = b
-        for item in (w1[w], w2[w]):
-            if item >= 0:
-                bin_of[item] = o
-        d = int(z_len[z] - w_len[w])
-        bin_free[o] += d
-        bin_free[b] -= d
+        need = -int(bin_free[o]) // unit
+        roomy = np.nonzero(bin_free > 0)[0]
+        # Microbatches of o's replica first (moving samples there leaves the replica costs as they
+        # are), then the roomiest; each takes only what relieves o.
+        roomy = roomy[np.lexsort((-bin_free[roomy], roomy // K != o // K))].tolist()
+        if any(apply(b, o, need) for b in roomy):
+            continue
+        gather = max(roomy, key=lambda q: (bin_free[q], -q))
+        if any(apply(b, gather, cap) for b in roomy if b != gather):
+            continue
+        # Full microbatches join the region, those of many (short, easily combined) samples first.
+        region = np.nonzero(bin_free != 0)[0].tolist()
+        full = np.nonzero(bin_free == 0)[0]
+        full = full[np.argsort(-np.bincount(bin_of, minlength=bin_free.size)[full], kind="stable")].tolist()
+        while not _repack(region, units, costs, bin_of, cap, K):
+            if not full:
+                return False
+            grow = max(8, len(region))
+            region, full = region + full[:grow], full[grow:]
+        bin_free[:] = T - np.bincount(bin_of, weights=lens, minlength=bin_free.size).astype(np.int64)
+    return True
+
+
+def _repack(
+    bins: list[int], units: np.ndarray, costs: np.ndarray, bin_of: np.ndarray, cap: int, K: int
+) -> bool:
+    """Pack all samples of `bins` again; False (and nothing changed) if some sample finds no place.
+
+    The groups are filled one after another: each takes the largest sample left, then the fullest
+    subset of the others (larger samples preferred), so the room left over gathers in the last
+    groups. Then the groups go to the microbatches, costliest first, each into the replica that is
+    cheapest so far (counting its other microbatches), which keeps the replicas balanced.
+    """
+    items = np.nonzero(np.isin(bin_of, bins))[0]
+    rest = items[np.argsort(-units[items], kind="stable")].tolist()
+    groups = []
+    while rest and len(groups) < len(bins):
+        first, others = rest[0], rest[1:]
+        _, taken = _subset_near(units[others].tolist(), cap - int(units[first]), cap - int(units[first]))
+        chosen = {first} | {others[k] for k in taken}
+        groups.append(sorted(chosen))
+        rest = [i for i in rest if i not in chosen]
+    if rest:
+        return False
+    rep_cost = np.bincount(bin_of // K, weights=costs, minlength=bin_of.max() // K + 1)
+    rep_cost -= np.bincount(bin_of[items] // K, weights=costs[items], minlength=rep_cost.size)
+    free = list(bins)
+    for group in sorted(groups, key=lambda g: -costs[g].sum()):
+        b = min(free, key=lambda q: (rep_cost[q // K], q))
+        free.remove(b)
+        bin_of[group] = b
+        rep_cost[b // K] += costs[group].sum()
     return True
 
 
@@ -407,7 +453,7 @@ def plan_balanced(
     K = math.ceil(K / group) * group
     while True:  # terminates: with dp*K >= n every sample gets its own microbatch
         bin_of, bin_free = _greedy(lens, costs, order, dp, K, T)
-        if _repair(lens, bin_of, bin_free):
+        if _repair(lens, costs, bin_of, bin_free, T, K):
             break
         K += group
     _local_search(lens, costs, bin_of, bin_free, dp, K)
