@@ -1,12 +1,17 @@
 """Planner tests: Megatron dp_balanced vectors (megatron_thd_spec.md sections 1.2 and 10.1), and the
 balanced planner against its contract and a brute-force optimum on tiny inputs."""
 
+import importlib.util
 import itertools
+import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from titan_thd.data.planner import _subset_near, make_plan, plan_balanced, plan_dp_balanced, sample_costs
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def megatron_groups(plan, cp):
@@ -206,3 +211,19 @@ def test_balanced_is_deterministic():
 def test_make_plan_rejects_unknown_policy():
     with pytest.raises(ValueError, match="training.planner"):
         make_plan("round_robin", [4], 1, 1, 8, 0.0)
+
+
+def test_bench_planner_json_rows(tmp_path):
+    """The benchmark's --json contract: one row per (dp, cp, planner) with the issue's keys."""
+    spec = importlib.util.spec_from_file_location("bench_planner", ROOT / "scripts" / "bench_planner.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "planner.json"
+    bench.main(["--dp", "2", "--cp", "1", "2", "--steps", "2", "--json", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["dp"], r["cp"], r["planner"]) for r in rows] == [
+        (2, cp, p) for cp in (1, 2) for p in ("balanced", "dp_balanced")
+    ]
+    for r in rows:
+        assert {"imbalance", "waste", "plan_ms", "waste_bound", "extra"} <= r.keys()
+        assert r["imbalance"] >= 1 and 0 <= r["waste_bound"] <= r["waste"] < 1
