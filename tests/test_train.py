@@ -40,9 +40,13 @@ def _cfg(tmp_path, *extra):
 
 @pytest.fixture(scope="module")
 def trainer(tmp_path_factory):
+    # One thread: on a shared 2-core machine two threads per process are often far slower.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     t = Trainer(_cfg(tmp_path_factory.mktemp("run")))
     yield t
     t.close()
+    torch.set_num_threads(threads)
 
 
 @pytest.mark.slow
