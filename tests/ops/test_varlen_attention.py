@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from titan_thd.data.packed_batch import PackedBatch
-from titan_thd.models.batch_meta import BatchMeta, CPContext
+from titan_thd.models.batch_meta import BatchMeta
 from titan_thd.ops.varlen_attention import dense_reference_attention, varlen_attention
 
 TOL = 1e-10
@@ -17,14 +17,18 @@ TOL = 1e-10
 def packed_meta(lens: list[int], pad_to: int = 1, T: int | None = None) -> BatchMeta:
     """BatchMeta of documents of real lengths `lens`, each padded to a multiple of `pad_to`,
     followed by a tail padding document up to `T` (tests build batches by hand, not via the packer)."""
+    return BatchMeta.from_batch(packed_positions(lens, pad_to, T))
+
+
+def packed_positions(lens: list[int], pad_to: int = 1, T: int | None = None) -> PackedBatch:
+    """The PackedBatch behind `packed_meta`: metadata and position ids only."""
     plens = [math.ceil(n / pad_to) * pad_to for n in lens]
     if T is not None and T > sum(plens):
         lens, plens = lens + [0], plens + [T - sum(plens)]
     cu = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     cup = torch.tensor([0] + plens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     positions = torch.cat([torch.arange(p) for p in plens])
-    batch = PackedBatch(None, None, None, positions, cu, cup, max(plens), len(lens)).validate()
-    return BatchMeta.from_batch(batch)
+    return PackedBatch(None, None, None, positions, cu, cup, max(plens), len(lens)).validate()
 
 
 def doc_rows(meta: BatchMeta) -> list[slice]:
@@ -123,14 +127,6 @@ def test_float32_close_to_float64():
     q, k, v = qkv(meta.total_tokens)
     out32 = varlen_attention(q.float(), k.float(), v.float(), meta)
     torch.testing.assert_close(out32.double(), varlen_attention(q, k, v, meta), rtol=0, atol=1e-5)
-
-
-def test_context_parallel_is_refused_until_implemented():
-    meta = packed_meta([4, 4])
-    meta.cp = CPContext(size=2, rank=0, group=object())  # never used: the op must refuse first
-    q, k, v = qkv(meta.total_tokens)
-    with pytest.raises(NotImplementedError, match="CP issue"):
-        varlen_attention(q, k, v, meta)
 
 
 def test_runs_of_equal_documents_share_one_call():

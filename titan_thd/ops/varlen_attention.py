@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from titan_thd.models.batch_meta import BatchMeta
+from titan_thd.ops.cp_attention import zigzag_attention
 
 
 class _Segment(NamedTuple):
@@ -54,13 +55,13 @@ def varlen_attention(
 ) -> torch.Tensor:
     """Block-diagonal causal attention of the documents in `meta`; returns out_THD (zeros on padding).
 
+    Under context parallelism (`meta.cp.size > 1`) the rows are this rank's zigzag share and the
+    work goes to `zigzag_attention`.
+
     K < H is grouped-query attention: query head h reads key/value head h // (H // K).
     """
-    if meta.cp.size > 1:
-        raise NotImplementedError(
-            f"varlen_attention: context parallel size {meta.cp.size} > 1 is not supported yet; "
-            "context parallel attention is added by the CP issue"
-        )
+    if meta.cp.enabled:  # this rank holds zigzag chunks: its queries need other ranks' keys
+        return zigzag_attention(q_THD, k_TKD, v_TKD, meta, scale)
     T, H, D = q_THD.shape
     K = k_TKD.shape[1]
     assert T == meta.total_tokens, (T, meta.total_tokens)
