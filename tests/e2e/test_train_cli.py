@@ -165,14 +165,10 @@ def params_per_rank(log: str) -> tuple[int, int]:
 @pytest.mark.parametrize(
     "world, layout, header",
     [
-        pytest.param(
+        (
             "8",
             ["--parallelism.context_parallel_degree", "2", "--data.pad_to_multiple", "4"],
             "dp 4, cp 2 (zigzag)",
-            # Remove the mark when it XPASSes: the step fails in varlen_attention until then.
-            marks=pytest.mark.xfail(
-                reason="llama context-parallel attention lands with the CP issue", strict=True
-            ),
         ),
         ("64", ["--training.global_batch_size", "128"], "dp 64, cp 1"),
     ],
