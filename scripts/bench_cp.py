@@ -1,8 +1,6 @@
 """Context parallelism on CPU: bytes exchanged per layer and step time for CP = 1, 2, 4.
 
 One function per model family fills one report; `MODEL_BENCHES` lists them (`--model` picks).
-The dense llama's zigzag benchmark (K/V all-gather) registers as `MODEL_BENCHES["llama"]` the same
-way: `bench_llama(opts) -> dict`, printing its own tables.
 
 dsv4 (contiguous CP with halo exchange, research dsv4_architecture.md §9.2), per layer and
 microbatch, summed over the CP group, forward + backward:
@@ -15,11 +13,26 @@ microbatch, summed over the CP group, forward + backward:
 A collective's bytes are what leaves each rank: an all-gather of B bytes per rank sends B (cp - 1)
 per rank, a reduce-scatter of a cp x B buffer B (cp - 1), a P2P send its size. The analytic totals
 are cross-checked against the bytes actually handed to gloo in one instrumented forward+backward.
+
+llama (zigzag CP, titan_thd/ops/cp_attention.py), per layer and microbatch, summed over the CP
+group, forward + backward; t = T / cp rows per rank, kv = 2 K E elements (K and V of one row):
+  all-gather  ours: all-gather of every rank's K/V (t x kv) in forward, reduce-scatter of their
+              gradient in backward: 2 cp (cp - 1) t kv.
+  ring        P2P ring attention: K/V blocks travel cp - 1 hops in forward and again in backward,
+              where their gradient accumulators travel cp hops back to the owner:
+              2 cp (cp - 1) t kv + cp^2 t kv.
+  all-to-all  head-parallel (Ulysses): q, k, v to head shards and the output back, the same for
+              the gradients: 2 (cp - 1) t (2H + 2K) E; needs cp | K (else K/V heads are
+              replicated and it moves more).
+The microbatch is padded per document to 2 * max(cp) for every degree, so all degrees do the same
+work.
+
 Step time: forward + backward of the whole model on one microbatch in cp spawned gloo processes
 (one thread each; more processes than cores are time-sliced, so CP = 4 on 2 cores is
 oversubscribed and its wall time is not a speedup measurement; the CPU-seconds column is).
 
     .venv/bin/python scripts/bench_cp.py --model dsv4 --json /tmp/bench_cp.json
+    .venv/bin/python scripts/bench_cp.py --model llama --json /tmp/bench_cp_llama.json
 """
 
 from __future__ import annotations
@@ -47,6 +60,8 @@ from titan_thd.data.mock import mock_lengths
 from titan_thd.data.packer import pack_microbatch
 from titan_thd.models.batch_meta import BatchMeta, CPContext
 from titan_thd.models.dsv4 import DSv4Args, build_dsv4, flavors
+from titan_thd.models.llama import LlamaArgs, build_llama
+from titan_thd.models.llama import flavors as llama_flavors
 
 
 @dataclasses.dataclass
@@ -58,7 +73,7 @@ class Document:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="dsv4", choices=sorted(MODEL_BENCHES))
-    p.add_argument("--flavor", default="tiny")
+    p.add_argument("--flavor", default="", help="model flavor (default: dsv4 tiny, llama debug)")
     p.add_argument("--tokens", type=int, default=2048, help="T: rows of the microbatch before the split")
     p.add_argument("--cp", default="1,2,4", help="CP degrees to time")
     p.add_argument("--mean-doc", type=int, default=400, help="mean document length (lognormal, sigma 1)")
@@ -68,7 +83,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def microbatch(T: int, vocab: int, mean_doc: int, seed: int):
+def microbatch(T: int, vocab: int, mean_doc: int, seed: int, pad_to_multiple: int = 1):
     """One packed microbatch of seeded lognormal documents (in order until T is full, tail padding)."""
     cfg = {
         "mode": "distribution",
@@ -81,12 +96,12 @@ def microbatch(T: int, vocab: int, mean_doc: int, seed: int):
     rng = np.random.default_rng(seed)
     docs, used = [], 0
     for n in mock_lengths(cfg, 1000, seed).tolist():
-        n = min(n, T - used)
+        n = min(n, (T - used) // pad_to_multiple * pad_to_multiple)
         if n < 2:
             break
         docs.append(Document(rng.integers(0, vocab, n), np.arange(n) > 0))
-        used += n
-    return pack_microbatch(docs, T, pad_to_multiple=1, pad_id=0)
+        used += -(-n // pad_to_multiple) * pad_to_multiple
+    return pack_microbatch(docs, T, pad_to_multiple=pad_to_multiple, pad_id=0)
 
 
 # ---------------------------------------------------------------------------------------------- dsv4
@@ -150,12 +165,15 @@ def _count_collectives(counts: dict[str, int], phase: list[str]) -> None:
     dist.batch_isend_irecv = p2p_counted
 
 
-def _dsv4_worker(rank: int, world: int, args: DSv4Args, batch, repeats: int) -> dict:
+_BUILDERS: dict[str, Callable] = {"dsv4": build_dsv4, "llama": build_llama}
+
+
+def _step_worker(rank: int, world: int, model_name: str, args, mode: str, batch, repeats: int) -> dict:
     """One instrumented fwd+bwd (bytes), then `repeats` timed ones (wall and CPU seconds)."""
-    cp = CPContext(size=world, rank=rank, group=dist.group.WORLD if world > 1 else None)
-    local = partition(batch, world, rank, "contiguous")
+    cp = CPContext(size=world, rank=rank, group=dist.group.WORLD if world > 1 else None, mode=mode)
+    local = partition(batch, world, rank, mode)
     torch.manual_seed(0)
-    model = build_dsv4(args).train()
+    model = _BUILDERS[model_name](args).train()
     counts, phase = {"forward": 0, "backward": 0}, ["forward"]
     _count_collectives(counts, phase)
 
@@ -180,49 +198,30 @@ def _dsv4_worker(rank: int, world: int, args: DSv4Args, batch, repeats: int) -> 
     return {"bytes": bytes_sent, "wall": wall, "cpu": cpu}
 
 
-def bench_dsv4(opts: argparse.Namespace) -> dict:
-    args = flavors[opts.flavor]
-    batch = microbatch(opts.tokens, args.vocab_size, opts.mean_doc, opts.seed)
-    elem = torch.zeros((), dtype=torch.float32).element_size()
-    degrees = [int(c) for c in opts.cp.split(",")]
-    docs = int((batch.seqlens > 0).sum())
-    print(
-        f"dsv4 {opts.flavor}: T = {opts.tokens} rows ({docs} documents, mean {opts.mean_doc}), float32, "
-        f"d = {args.dim}, D = {args.head_dim}, dI = {args.index_head_dim}, halo = {args.halo}, "
-        f"m = {args.csa_ratio}, m' = {args.hca_ratio}; layers {','.join(args.layer_types)} + MTP"
-    )
-    report: dict = {"flavor": opts.flavor, "tokens": opts.tokens, "documents": docs, "bytes": {}, "step": {}}
-
-    print("\nbytes per layer per microbatch (forward + backward, all CP ranks), KiB")
-    head = ("cp", "layer", "halo", "comp KV", "idx keys", "contiguous", "full-KV", "full/contig")
-    print("{:>3} {:>8} {:>9} {:>9} {:>9} {:>11} {:>11} {:>11}".format(*head))
-    for cp in (c for c in degrees if c > 1):
-        per_kind = dsv4_bytes(args, opts.tokens, cp, elem, train_indexer=args.indexer_loss_coeff > 0)
-        for kind, row in per_kind.items():
-            kib = [row[k] / 1024 for k in ("halo", "compressed_kv", "indexer_keys", "contiguous", "full_kv")]
-            print(f"{cp:>3} {kind:>8} " + " ".join(f"{v:>9.1f}" for v in kib[:3]), end=" ")
-            print(f"{kib[3]:>11.1f} {kib[4]:>11.1f} {row['full_kv'] / row['contiguous']:>10.1f}x")
-        report["bytes"][str(cp)] = {"per_layer": per_kind, "model": dsv4_model_bytes(per_kind, args)}
-
+def time_steps(
+    model_name: str, args, mode: str, batch, degrees: list[int], repeats: int, analytic: dict[int, int]
+) -> dict:
+    """Step-time table for each CP degree; the bytes handed to gloo must equal `analytic[cp]`."""
     load = os.getloadavg()[0]
     print(f"\nstep (forward + backward, one microbatch, 1 thread per process; load average {load:.1f})")
     print(
         f"{'cp':>3} {'procs/cores':>11} {'wall ms':>9} {'CPU s/rank':>11} {'model bytes':>12} {'analytic':>12}"
     )
     cores = os.cpu_count() or 1
+    report = {}
     for cp in degrees:
-        ranks = spawn(_dsv4_worker, cp, args, batch, opts.repeats, timeout=1800)
-        steps = [max(r["wall"][i] for r in ranks) for i in range(opts.repeats)]
+        ranks = spawn(_step_worker, cp, model_name, args, mode, batch, repeats, timeout=1800)
+        steps = [max(r["wall"][i] for r in ranks) for i in range(repeats)]
         cpu = statistics.median(statistics.median(r["cpu"]) for r in ranks)
         sent = sum(r["bytes"]["forward"] + r["bytes"]["backward"] for r in ranks)
-        analytic = report["bytes"][str(cp)]["model"]["contiguous"] if cp > 1 else 0
+        expected = analytic.get(cp, 0)
         note = " (oversubscribed)" if cp > cores else ""
         print(
             f"{cp:>3} {f'{cp}/{cores}':>11} {statistics.median(steps) * 1e3:>9.0f} {cpu:>11.2f} "
-            f"{sent:>12,} {analytic:>12,}{note}"
+            f"{sent:>12,} {expected:>12,}{note}"
         )
-        assert sent == analytic, f"instrumented {sent} bytes != analytic {analytic} at cp {cp}"
-        report["step"][str(cp)] = {
+        assert sent == expected, f"instrumented {sent} bytes != analytic {expected} at cp {cp}"
+        report[str(cp)] = {
             "wall_ms_median": statistics.median(steps) * 1e3,
             "wall_ms_min": min(steps) * 1e3,
             "cpu_s_per_rank": cpu,
@@ -235,7 +234,83 @@ def bench_dsv4(opts: argparse.Namespace) -> dict:
     return report
 
 
-MODEL_BENCHES: dict[str, Callable[[argparse.Namespace], dict]] = {"dsv4": bench_dsv4}
+def bench_dsv4(opts: argparse.Namespace) -> dict:
+    opts.flavor = opts.flavor or "tiny"
+    args = flavors[opts.flavor]
+    batch = microbatch(opts.tokens, args.vocab_size, opts.mean_doc, opts.seed)
+    elem = torch.zeros((), dtype=torch.float32).element_size()
+    degrees = [int(c) for c in opts.cp.split(",")]
+    docs = int((batch.seqlens > 0).sum())
+    print(
+        f"dsv4 {opts.flavor}: T = {opts.tokens} rows ({docs} documents, mean {opts.mean_doc}), float32, "
+        f"d = {args.dim}, D = {args.head_dim}, dI = {args.index_head_dim}, halo = {args.halo}, "
+        f"m = {args.csa_ratio}, m' = {args.hca_ratio}; layers {','.join(args.layer_types)} + MTP"
+    )
+    report: dict = {"flavor": opts.flavor, "tokens": opts.tokens, "documents": docs, "bytes": {}}
+
+    print("\nbytes per layer per microbatch (forward + backward, all CP ranks), KiB")
+    head = ("cp", "layer", "halo", "comp KV", "idx keys", "contiguous", "full-KV", "full/contig")
+    print("{:>3} {:>8} {:>9} {:>9} {:>9} {:>11} {:>11} {:>11}".format(*head))
+    for cp in (c for c in degrees if c > 1):
+        per_kind = dsv4_bytes(args, opts.tokens, cp, elem, train_indexer=args.indexer_loss_coeff > 0)
+        for kind, row in per_kind.items():
+            kib = [row[k] / 1024 for k in ("halo", "compressed_kv", "indexer_keys", "contiguous", "full_kv")]
+            print(f"{cp:>3} {kind:>8} " + " ".join(f"{v:>9.1f}" for v in kib[:3]), end=" ")
+            print(f"{kib[3]:>11.1f} {kib[4]:>11.1f} {row['full_kv'] / row['contiguous']:>10.1f}x")
+        report["bytes"][str(cp)] = {"per_layer": per_kind, "model": dsv4_model_bytes(per_kind, args)}
+
+    analytic = {cp: report["bytes"][str(cp)]["model"]["contiguous"] for cp in degrees if cp > 1}
+    report["step"] = time_steps("dsv4", args, "contiguous", batch, degrees, opts.repeats, analytic)
+    return report
+
+
+# --------------------------------------------------------------------------------------------- llama
+
+
+def llama_bytes(args: LlamaArgs, T: int, cp: int, elem: int) -> dict[str, int]:
+    """Analytic bytes per layer for one microbatch, forward + backward, summed over the CP group."""
+    t, E = T // cp, args.head_dim
+    kv = 2 * args.n_kv_heads * E
+    return {
+        "all_gather": 2 * cp * (cp - 1) * t * kv * elem,
+        "ring": (2 * cp * (cp - 1) + cp * cp) * t * kv * elem,
+        "all_to_all": 2 * (cp - 1) * t * (2 * args.n_heads + 2 * args.n_kv_heads) * E * elem,
+    }
+
+
+def bench_llama(opts: argparse.Namespace) -> dict:
+    opts.flavor = opts.flavor or "debug"
+    args = llama_flavors[opts.flavor]
+    degrees = [int(c) for c in opts.cp.split(",")]
+    pad = 2 * max(degrees)  # zigzag: every document a multiple of 2 cp, the same batch for every cp
+    batch = microbatch(opts.tokens, args.vocab_size, opts.mean_doc, opts.seed, pad_to_multiple=pad)
+    elem = torch.zeros((), dtype=torch.float32).element_size()
+    docs = int((batch.seqlens > 0).sum())
+    print(
+        f"llama {opts.flavor}: T = {opts.tokens} rows ({docs} documents, mean {opts.mean_doc}, padded to "
+        f"{pad}), float32, d = {args.dim}, H = {args.n_heads}, K = {args.n_kv_heads}, E = {args.head_dim}, "
+        f"{args.n_layers} layers"
+    )
+    report: dict = {"flavor": opts.flavor, "tokens": opts.tokens, "documents": docs, "bytes": {}}
+
+    print("\nbytes per layer per microbatch (forward + backward, all CP ranks), KiB")
+    head = ("cp", "all-gather", "ring", "all-to-all", "ring/ag", "a2a/ag", "cp | K")
+    print("{:>3} {:>11} {:>11} {:>11} {:>8} {:>8} {:>7}".format(*head))
+    for cp in (c for c in degrees if c > 1):
+        row = llama_bytes(args, opts.tokens, cp, elem)
+        kib = [row[k] / 1024 for k in ("all_gather", "ring", "all_to_all")]
+        ratios = [row[k] / row["all_gather"] for k in ("ring", "all_to_all")]
+        divides = "yes" if args.n_kv_heads % cp == 0 else "no"
+        print(f"{cp:>3} " + " ".join(f"{v:>11.1f}" for v in kib), end=" ")
+        print(" ".join(f"{r:>7.2f}x" for r in ratios) + f" {divides:>7}")
+        report["bytes"][str(cp)] = {"per_layer": row, "model": {k: v * args.n_layers for k, v in row.items()}}
+
+    analytic = {cp: report["bytes"][str(cp)]["model"]["all_gather"] for cp in degrees if cp > 1}
+    report["step"] = time_steps("llama", args, "zigzag", batch, degrees, opts.repeats, analytic)
+    return report
+
+
+MODEL_BENCHES: dict[str, Callable[[argparse.Namespace], dict]] = {"dsv4": bench_dsv4, "llama": bench_llama}
 
 
 def main(argv: list[str] | None = None) -> None:
