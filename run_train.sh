@@ -87,7 +87,8 @@ launcher=$!
 # SIGTERM goes to the ranks (torchrun's children), not to torchrun: each rank finishes its step,
 # saves a checkpoint and exits 0, and torchrun then exits 0 too. (torchrun itself would answer a
 # SIGTERM with a SignalException, exit 1, and kill ranks still saving after its shutdown timeout.)
-trap 'pkill -TERM -P "$launcher" || true' TERM
+# Before the ranks exist there is nothing to save: then torchrun gets it.
+trap 'pkill -TERM -P "$launcher" || kill -TERM "$launcher" 2>/dev/null || true' TERM
 status=0
 wait "$launcher" || status=$?
 while kill -0 "$launcher" 2>/dev/null; do # `wait` returns early when the trap runs
