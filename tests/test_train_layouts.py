@@ -179,6 +179,9 @@ def test_dp2_matches_dp1_losses_and_gradients_over_five_steps(dp1, dp2):
 def test_resume_is_bitwise(layout, request):
     dumps = request.getfixturevalue(layout)[0]
     straight, split = records(dumps["straight"]), records(dumps["split"])
+    print(
+        f"{layout} losses, straight: {[r['loss'] for r in straight]}\n{layout} losses, 4 + 4: {[r['loss'] for r in split]}"
+    )
     assert [r["step"] for r in split] == list(range(1, STEPS + 1))
     for key in ("loss", "grad_norm", "lr", "tokens_trained"):
         assert [r[key] for r in split] == [r[key] for r in straight], key
@@ -193,6 +196,9 @@ def test_dp1_checkpoint_resumes_on_dp2_with_the_same_data_stream(dp1, dp2):
     straight, resumed = records(dp1[0]["straight"]), records(dp2[0]["from_dp1"])
     assert [r["step"] for r in resumed] == list(range(SPLIT + 1, STEPS + 1))
     for a, b in zip(straight[SPLIT:], resumed, strict=True):
+        print(
+            f"step {a['step']}: tokens {a['tokens_real']}/{b['tokens_real']}, loss {a['loss']!r} (dp1) {b['loss']!r} (dp2)"
+        )
         assert (b["tokens_real"], b["tokens_trained"]) == (a["tokens_real"], a["tokens_trained"])
         assert b["lr"] == a["lr"]
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=0)
