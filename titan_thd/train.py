@@ -46,7 +46,12 @@ from titan_thd.models.batch_meta import BatchMeta, CPContext
 from titan_thd.models.spec import ModelSpec, as_dtype, count_params
 from titan_thd.parallel import distributed as dist_utils
 from titan_thd.parallel.distributed import DistInfo
-from titan_thd.parallel.fsdp import build_on_meta, estimate_memory_per_rank, materialize_sharded
+from titan_thd.parallel.fsdp import (
+    build_on_meta,
+    estimate_memory_per_rank,
+    largest_unsharded_unit_bytes,
+    materialize_sharded,
+)
 from titan_thd.parallel.parallel_dims import ParallelDims
 
 logger = logging.getLogger("titan_thd")
@@ -279,6 +284,8 @@ class Trainer:
         self.metrics.log(record, last_step=self.cfg.training.steps)
 
     def train(self) -> None:
+        if self.dist.fake and not self._fake_step_fits():
+            return
         self.checkpointer.load()  # restores self.step / tokens_seen / the data position
         start = time.perf_counter()
         while self.step < self.cfg.training.steps:
@@ -301,6 +308,21 @@ class Trainer:
         self.checkpointer.close()
 
     # ------------------------------------------------------------------ helpers
+    def _fake_step_fits(self) -> bool:
+        """A fake-PG step gathers each FSDP unit in full (the fake all-gather copies the local shard
+        into every slot); skip the step, with the numbers, when that cannot fit in this machine."""
+        need = 3 * largest_unsharded_unit_bytes(self.model)  # the unit's params, grads, workspace
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        if need <= free:
+            return True
+        logger.warning(
+            "dry run: meshes, sharding and optimizer built; the step is skipped because one FSDP unit "
+            "needs about %.1f GiB unsharded and this machine has %.1f GiB free",
+            need / 2**30,
+            free / 2**30,
+        )
+        return False
+
     def _log_header(self) -> None:
         if not self.dist.is_main:
             return

@@ -215,6 +215,20 @@ def test_fake_mode_world_the_degrees_do_not_multiply_to(tmp_path, monkeypatch, c
     assert not torch.distributed.is_initialized()
 
 
+def test_fake_mode_skips_a_step_that_cannot_fit(tmp_path, monkeypatch, caplog):
+    """The dry run still builds everything, then says why it does not run the step."""
+    monkeypatch.setenv("NGPU", "8")
+    page = os.sysconf("SC_PAGE_SIZE")
+    monkeypatch.setattr(os, "sysconf", lambda name: 16 if name == "SC_AVPHYS_PAGES" else page)
+    config = str(ROOT / "train_configs" / CONFIG)
+    overrides = ["--comm.mode", "fake", "--training.steps", "1", "--job.dump_folder", str(tmp_path)]
+    with caplog.at_level("INFO", logger="titan_thd"):
+        assert main(["--job.config_file", config, *SMALL, *overrides]) == 0
+    assert "estimated memory per rank" in caplog.text
+    assert "the step is skipped because one FSDP unit needs about" in caplog.text
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
 def test_bad_key_and_missing_config_are_clear_errors():
     proc = run_train("--config", CONFIG, "--training.stepz", "3")
     assert proc.returncode == 2

@@ -13,7 +13,13 @@ from torch.distributed.tensor import DTensor, Shard
 
 from titan_thd.config import Comm
 from titan_thd.parallel import distributed
-from titan_thd.parallel.fsdp import apply_fsdp, build_on_meta, estimate_memory_per_rank, materialize_sharded
+from titan_thd.parallel.fsdp import (
+    apply_fsdp,
+    build_on_meta,
+    estimate_memory_per_rank,
+    largest_unsharded_unit_bytes,
+    materialize_sharded,
+)
 from titan_thd.parallel.parallel_dims import ParallelDims
 
 
@@ -170,3 +176,16 @@ def test_single_process_helpers_are_local():
     assert distributed.dist_sum(2.5, None) == 2.5 and distributed.dist_max(7, None) == 7
     assert distributed.any_rank(True) and not distributed.any_rank(False)
     assert distributed.broadcast_object({"a": 1}) == {"a": 1}
+
+
+def test_largest_unsharded_unit_is_one_block_not_the_shard(fake_world):
+    """The fake-PG dry run sizes its step by what one all-gather materialises: a whole block."""
+    fake_world(64)
+    dims = ParallelDims(pp=1, dp_shard=64, cp=1, tp=1, world_size=64)
+    dims.build_meshes("cpu")
+    model = build_on_meta(lambda: Blocks(dim=64, hidden=4096, n=2))
+    apply_fsdp(model, dims.get_mesh("fsdp"), list(model.layers))
+    block = (64 * 4096 + 4096) + (4096 * 64 + 64)  # both Linear layers of one block, with biases
+    assert largest_unsharded_unit_bytes(model) == 4 * block
+    # The root unit owns only the LayerNorm (64 weights + 64 biases), the blocks are their own units.
+    assert largest_unsharded_unit_bytes(model.norm) == 4 * 128

@@ -52,6 +52,22 @@ class ModelSpec:
     """Optional trainer hooks, e.g. "after_optimizer_step": (model, reduce_group) -> None."""
 
 
+def build_initialised(make: Callable[[], nn.Module]) -> nn.Module:
+    """`make()` with weights drawn by its `init_weights()` from the current RNG, on CPU.
+
+    The module is constructed on the meta device first, so no throw-away default initialisation
+    runs. Under `with torch.device("meta")` (fake-process-group dry runs) it stays on meta: shapes
+    only, initialised later shard by shard.
+    """
+    on_meta = torch.get_default_device().type == "meta"
+    with torch.device("meta"):
+        model = make()
+    if not on_meta:
+        model.to_empty(device="cpu")
+        model.init_weights()
+    return model
+
+
 def count_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 

@@ -34,7 +34,7 @@ from titan_thd.models.dsv4.moe import Gate
 from titan_thd.models.dsv4.mtp import MTPBlock, mtp_inputs_targets
 from titan_thd.models.dsv4.norm import RMSNorm
 from titan_thd.models.dsv4.plans import get_plan
-from titan_thd.models.spec import ModelOutput
+from titan_thd.models.spec import ModelOutput, build_initialised
 
 
 class DSv4Model(nn.Module):
@@ -127,8 +127,4 @@ def _local(p: torch.Tensor) -> torch.Tensor:
 
 def build_dsv4(args: DSv4Args) -> DSv4Model:
     """Full model on CPU, initialised from the current RNG state (call under a seeded RNG)."""
-    with torch.device("meta"):
-        model = DSv4Model(args)
-    model.to_empty(device="cpu")
-    model.init_weights()
-    return model
+    return build_initialised(lambda: DSv4Model(args))

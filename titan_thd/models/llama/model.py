@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from titan_thd.models.batch_meta import BatchMeta
 from titan_thd.models.llama.args import LlamaArgs
-from titan_thd.models.spec import ModelOutput
+from titan_thd.models.spec import ModelOutput, build_initialised
 from titan_thd.ops.rope import apply_rope, rope_tables
 from titan_thd.ops.varlen_attention import VarlenAttention
 
@@ -140,15 +140,5 @@ def _trunc_normal(p: torch.Tensor, std: float) -> None:
 
 
 def build_llama(args: LlamaArgs) -> Llama:
-    """Full model on CPU, initialised from the current RNG state (call under a seeded RNG).
-
-    Under `with torch.device("meta")` (dry runs) it stays on meta: shapes only, initialised later,
-    shard by shard, by `init_weights`.
-    """
-    on_meta = torch.get_default_device().type == "meta"
-    with torch.device("meta"):  # no throw-away default init: init_weights draws every value
-        model = Llama(args)
-    if not on_meta:
-        model.to_empty(device="cpu")
-        model.init_weights()
-    return model
+    """Full model on CPU, initialised from the current RNG state (call under a seeded RNG)."""
+    return build_initialised(lambda: Llama(args))
