@@ -34,6 +34,9 @@ extras="$(printf '%s\n%s\n' "$requested" "$installed" | sorted_extras | paste -s
 spec="$ROOT"
 [[ -n "$extras" ]] && spec="$ROOT[$extras]"
 echo "[setup] installing titan_thd${extras:+[$extras]} (torch pinned by scripts/constraints.txt)" >&2
+# Some machines' pip config names local wheel folders that do not exist; pip warns about each of
+# them for every package, which drowns the one line that matters.
 "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check \
-  -c "$ROOT/scripts/constraints.txt" -e "$spec" >&2
+  -c "$ROOT/scripts/constraints.txt" -e "$spec" 2>&1 |
+  { grep -v "is ignored: it is neither a file nor a directory" >&2 || true; }  # pipefail keeps pip's status
 printf '%s\n%s\n' "$hash" "$extras" > "$stamp"
