@@ -420,6 +420,9 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         trainer = Trainer(cfg)
         trainer.train()
+        # A rank that finished its last collective may not leave before the others have too:
+        # tearing the process group down under a peer's pending receive aborts that peer.
+        dist_utils.barrier()
     except ValueError as e:  # user errors: the message says what to fix, a traceback would not
         print(f"error: {e}", file=sys.stderr)
         return 2
