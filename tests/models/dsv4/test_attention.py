@@ -7,6 +7,9 @@ over (document, position), not from the plans the model uses.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -241,3 +244,20 @@ def test_packed_documents_equal_alone_per_layer_type():
         for rows in doc_slices(batch):
             t1, b1 = sub_batch(tokens, batch, rows)
             torch.testing.assert_close(logits[rows], model(t1, meta(b1)).logits, rtol=0, atol=1e-12)
+
+
+def test_bench_dsv4_attention_json(tmp_path):
+    """The benchmark's --json contract: per-token microseconds per layer type and T, each positive."""
+    path = Path(__file__).resolve().parents[3] / "scripts" / "bench_dsv4_attention.py"
+    spec = importlib.util.spec_from_file_location("bench_dsv4_attention", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "attn.json"
+    bench.main(
+        ["--flavor", "micro", "--tokens", "256,512,256", "--doc-len", "96", "--repeats", "1", "--json", str(out)]
+    )
+    per_token = json.loads(out.read_text())["per_token_us"]
+    assert set(per_token) == {"sliding", "csa", "hca"}
+    for kind in per_token.values():
+        assert set(kind) == {"256", "512"}  # a repeated T is measured once
+        assert all(us > 0 for us in kind.values())
