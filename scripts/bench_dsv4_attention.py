@@ -118,7 +118,11 @@ def main(argv: list[str] | None = None) -> None:
         plan = get_plan(meta, args, torch.float32)
         for kind in KINDS:
             torch.manual_seed(0)
-            cases[T, kind] = (Attention(args, kind).train(), torch.randn(T, args.dim, requires_grad=True), plan)
+            cases[T, kind] = (
+                Attention(args, kind).train(),
+                torch.randn(T, args.dim, requires_grad=True),
+                plan,
+            )
             time_layer(*cases[T, kind])  # warm-up: allocator, caches
     best = {case: float("inf") for case in cases}
     for _ in range(opts.repeats):

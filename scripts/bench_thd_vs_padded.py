@@ -35,12 +35,12 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from titan_thd.components.loss import cross_entropy_sum  # noqa: E402
-from titan_thd.data.mock import mock_lengths  # noqa: E402
-from titan_thd.data.packed_batch import PackedBatch  # noqa: E402
-from titan_thd.data.packer import pack_microbatch, packer_throughput  # noqa: E402
-from titan_thd.models.batch_meta import BatchMeta  # noqa: E402
-from titan_thd.models.llama import build_llama, flavors  # noqa: E402
+from titan_thd.components.loss import cross_entropy_sum
+from titan_thd.data.mock import mock_lengths
+from titan_thd.data.packed_batch import PackedBatch
+from titan_thd.data.packer import pack_microbatch, packer_throughput
+from titan_thd.models.batch_meta import BatchMeta
+from titan_thd.models.llama import build_llama, flavors
 
 VARIANTS = ("thd", "padded")
 
@@ -169,7 +169,7 @@ def main() -> None:
     for _ in range(args.rounds):
         for variant in VARIANTS:
             cmd = [sys.executable, __file__, *sys.argv[1:], "--variant", variant]
-            proc = subprocess.run(cmd, capture_output=True, text=True)
+            proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
             if proc.returncode:
                 sys.exit(f"{variant} run failed:\n{proc.stderr}")
             r = json.loads(proc.stdout.strip().splitlines()[-1])

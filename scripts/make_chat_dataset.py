@@ -30,8 +30,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from titan_thd.data.chat_template import encode_conversation  # noqa: E402
-from titan_thd.data.tokenizer import ByteTokenizer  # noqa: E402
+from titan_thd.data.chat_template import encode_conversation
+from titan_thd.data.tokenizer import ByteTokenizer
 
 OUTPUT = ROOT / "titan_thd" / "assets" / "chat_sft.jsonl.gz"
 NUM_CONVERSATIONS = 4000

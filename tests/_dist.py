@@ -17,8 +17,9 @@ import os
 import queue
 import socket
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -56,8 +57,9 @@ def _worker(fn, rank, world_size, port, args, results, collective_timeout):
             dist.destroy_process_group()
 
 
-def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300,
-          collective_timeout: float = 60) -> list[Any]:
+def spawn(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300, collective_timeout: float = 60
+) -> list[Any]:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
@@ -74,7 +76,9 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 
             try:
                 rank, ok, out = results.get(timeout=timeout)
             except queue.Empty:
-                failures.append(f"timed out after {timeout}s waiting for ranks {sorted(set(range(world_size)) - set(outs))}")
+                failures.append(
+                    f"timed out after {timeout}s waiting for ranks {sorted(set(range(world_size)) - set(outs))}"
+                )
                 break
             if ok:
                 outs[rank] = torch.load(io.BytesIO(out), weights_only=False)

@@ -209,8 +209,10 @@ def test_print_config_round_trip(tmp_path):
             "--checkpoint.enable",
             "true",
             "--data.mock_config",
-            '{"mode": "distribution", "type": "lognormal", "min_seq_len": 4, '
-            '"max_seq_len": 64, "mean_seq_len": 16, "lognormal_sigma": 0.5}',
+            (
+                '{"mode": "distribution", "type": "lognormal", "min_seq_len": 4, '
+                '"max_seq_len": 64, "mean_seq_len": 16, "lognormal_sigma": 0.5}'
+            ),
         ]
     )
     path = _toml(tmp_path, to_toml(cfg), "printed.toml")

@@ -138,8 +138,10 @@ def test_attention_cost_weight_reads_the_flops_formula(trainer):
                 "--training.tokens_per_microbatch",
                 "32",
             ],
-            r"tokens_per_microbatch = 32 / context_parallel_degree = 2 leaves 16 tokens per CP rank; "
-            r"model dsv4 tiny needs at least",
+            (
+                r"tokens_per_microbatch = 32 / context_parallel_degree = 2 leaves 16 tokens per CP rank; "
+                r"model dsv4 tiny needs at least"
+            ),
         ),
         ("1", ["--data.tokenizer", "/no/tokenizer.json"], r"/no/tokenizer.json"),
         (

@@ -6,25 +6,42 @@ import torch
 from titan_thd.components import metrics as M
 from titan_thd.config import Metrics
 
+# The metrics.jsonl contract (DESIGN.md): every record has at least these keys.
+REQUIRED_KEYS = {
+    "step",
+    "loss",
+    "grad_norm",
+    "lr",
+    "tps",
+    "tokens_real",
+    "tokens_slots",
+    "padding_frac",
+    "tflops",
+    "mfu",
+    "num_microbatches",
+    "imbalance",
+    "wall_time",
+}
+
 
 def _record(step=3, **kw):
-    args = dict(
-        step=step,
-        loss=2.5,
-        grad_norm=0.75,
-        lr=1e-3,
-        step_time=2.0,
-        wall_time=10.0,
-        tokens_real=3000,
-        tokens_trained=1200,
-        tokens_slots=4096,
-        flops=8e12,
-        num_microbatches=2,
-        imbalance=1.05,
-        world_size=2,
-        peak_tflops=4.0,
-        aux_losses={"mtp": 0.25},
-    )
+    args = {
+        "step": step,
+        "loss": 2.5,
+        "grad_norm": 0.75,
+        "lr": 1e-3,
+        "step_time": 2.0,
+        "wall_time": 10.0,
+        "tokens_real": 3000,
+        "tokens_trained": 1200,
+        "tokens_slots": 4096,
+        "flops": 8e12,
+        "num_microbatches": 2,
+        "imbalance": 1.05,
+        "world_size": 2,
+        "peak_tflops": 4.0,
+        "aux_losses": {"mtp": 0.25},
+    }
     args.update(kw)
     return M.step_metrics(**args)
 
@@ -36,22 +53,7 @@ def test_step_metrics_worked_values():
     assert r["tflops"] == pytest.approx(8e12 / 2.0 / 2 / 1e12)  # per rank: 2 TFLOP/s
     assert r["mfu"] == pytest.approx(50.0)  # percent of 4 TFLOP/s
     assert r["aux/mtp"] == 0.25
-    required = {
-        "step",
-        "loss",
-        "grad_norm",
-        "lr",
-        "tps",
-        "tokens_real",
-        "tokens_slots",
-        "padding_frac",
-        "tflops",
-        "mfu",
-        "num_microbatches",
-        "imbalance",
-        "wall_time",
-    }
-    assert required <= set(r)
+    assert REQUIRED_KEYS <= set(r)
     assert _record(peak_tflops=0.0)["mfu"] == 0.0
     line = M.console_line(r)
     for piece in (

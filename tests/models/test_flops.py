@@ -31,7 +31,15 @@ def megatron_flops(
     return tokens * (layers * (mlp + attn_lin) + logit) + sum_sq * layers * core
 
 
-LLAMA3_8B = dict(h=4096, layers=32, heads=32, kv_channels=128, groups=8, ffn=14336, vocab=128256)
+LLAMA3_8B = {
+    "h": 4096,
+    "layers": 32,
+    "heads": 32,
+    "kv_channels": 128,
+    "groups": 8,
+    "ffn": 14336,
+    "vocab": 128256,
+}
 WORKED = [  # (document lengths, T, sum of squares, FLOPs) from megatron_thd_spec.md section 5
     ([5, 9, 3], 17, 115, 765_565_599_744),
     ([8, 12, 4], 24, 224, 1_080_846_974_976),
@@ -85,14 +93,14 @@ def test_linear_flops_are_six_times_matmul_weights(flavor):
         model = Llama(args)
     matmul_weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
     assert flops_per_token_linear(args) == 6 * matmul_weights
-    c = dict(
-        h=args.dim,
-        layers=args.n_layers,
-        heads=args.n_heads,
-        kv_channels=args.head_dim,
-        groups=args.n_kv_heads,
-        ffn=args.ffn_hidden_dim,
-        vocab=args.vocab_size,
-    )
+    c = {
+        "h": args.dim,
+        "layers": args.n_layers,
+        "heads": args.n_heads,
+        "kv_channels": args.head_dim,
+        "groups": args.n_kv_heads,
+        "ffn": args.ffn_hidden_dim,
+        "vocab": args.vocab_size,
+    }
     lengths = [300, 17, 1024]
     assert flops_per_step(args, lengths) == megatron_flops(**c, tokens=1341, sum_sq=300**2 + 17**2 + 1024**2)

@@ -46,7 +46,9 @@ def test_cp_collectives_match_reference(world):
         torch.testing.assert_close(gathered, full, rtol=0, atol=0)
         own = slice(rank * ROWS, (rank + 1) * ROWS)
         torch.testing.assert_close(gather_grad, w_all[own] * coeff_sum, rtol=1e-12, atol=0)
-        expected_halo = torch.zeros(HALO, D, dtype=torch.float64) if rank == 0 else full[rank * ROWS - HALO : rank * ROWS]
+        expected_halo = (
+            torch.zeros(HALO, D, dtype=torch.float64) if rank == 0 else full[rank * ROWS - HALO : rank * ROWS]
+        )
         torch.testing.assert_close(halo, expected_halo, rtol=0, atol=0)
         # My last HALO rows were read by rank + 1 with coefficient rank + 2.
         expected_grad = torch.zeros(ROWS, D, dtype=torch.float64)

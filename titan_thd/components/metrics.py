@@ -155,7 +155,7 @@ class MetricsLogger:
             kept = [
                 line for line in self.path.read_text().splitlines() if json.loads(line)["step"] < first_step
             ]
-        self.jsonl = open(self.path, "w")
+        self.jsonl = open(self.path, "w")  # noqa: SIM115 (open for the whole run; close() closes it)
         self.jsonl.writelines(line + "\n" for line in kept)
 
     def should_print(self, step: int, last_step: int) -> bool:

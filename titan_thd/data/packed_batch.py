@@ -83,15 +83,19 @@ class PackedBatch:
         return offset < self.seqlens.long()[doc]
 
     # ------------------------------------------------------------------ utilities
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> "PackedBatch":
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> PackedBatch:
         """Move token tensors to `device`; metadata stays on CPU (it is read by host code)."""
         moved = {
-            f: (getattr(self, f).to(device, non_blocking=non_blocking) if getattr(self, f) is not None else None)
+            f: (
+                getattr(self, f).to(device, non_blocking=non_blocking)
+                if getattr(self, f) is not None
+                else None
+            )
             for f in TOKEN_FIELDS
         }
         return replace(self, **moved)
 
-    def validate(self, divisor: int = 1) -> "PackedBatch":
+    def validate(self, divisor: int = 1) -> PackedBatch:
         """Check the contract; raise ValueError with the numbers on any violation.
 
         `divisor`: every physical document length must be a multiple of it (e.g. 2*cp for zigzag).

@@ -18,8 +18,10 @@ def get_model_spec(name: str) -> ModelSpec:
 def get_model_args(name: str, flavor: str):
     spec = get_model_spec(name)
     if flavor not in spec.flavors:
-        raise ValueError(f"model.flavor: got {flavor!r} for {name}, expected one of {', '.join(spec.flavors)}")
+        raise ValueError(
+            f"model.flavor: got {flavor!r} for {name}, expected one of {', '.join(spec.flavors)}"
+        )
     return spec.flavors[flavor]
 
 
-__all__ = ["ModelOutput", "ModelSpec", "get_model_spec", "get_model_args", "MODEL_NAMES"]
+__all__ = ["MODEL_NAMES", "ModelOutput", "ModelSpec", "get_model_args", "get_model_spec"]

@@ -14,8 +14,9 @@ Legend:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -99,7 +100,7 @@ class BatchMeta:
         cp: CPContext | None = None,
         full: PackedBatch | None = None,
         device: torch.device | str | None = None,
-    ) -> "BatchMeta":
+    ) -> BatchMeta:
         """Build the metadata for `batch` (this rank's rows; `full` is the un-split microbatch)."""
         cp = cp or CPContext()
         assert batch.position_ids is not None, "BatchMeta needs position_ids"

@@ -16,8 +16,9 @@ model under `torch.manual_seed(seed)` on CPU, then shard it.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn

@@ -254,7 +254,18 @@ def test_bench_dsv4_attention_json(tmp_path):
     spec.loader.exec_module(bench)
     out = tmp_path / "attn.json"
     bench.main(
-        ["--flavor", "micro", "--tokens", "256,512,256", "--doc-len", "96", "--repeats", "1", "--json", str(out)]
+        [
+            "--flavor",
+            "micro",
+            "--tokens",
+            "256,512,256",
+            "--doc-len",
+            "96",
+            "--repeats",
+            "1",
+            "--json",
+            str(out),
+        ]
     )
     per_token = json.loads(out.read_text())["per_token_us"]
     assert set(per_token) == {"sliding", "csa", "hca"}

@@ -12,7 +12,10 @@ from titan_thd.config import Parallelism
 from titan_thd.models.dsv4 import build_dsv4, parallelize_dsv4, spec
 from titan_thd.parallel.parallel_dims import ParallelDims
 
-BATCHES = [{"lengths": [40, 3, 21], "pad_to": 4, "tail": 8, "seed": 1}, {"lengths": [66], "tail": 6, "seed": 2}]
+BATCHES = [
+    {"lengths": [40, 3, 21], "pad_to": 4, "tail": 8, "seed": 1},
+    {"lengths": [66], "tail": 6, "seed": 2},
+]
 
 
 def _loss(model, rank: int) -> torch.Tensor:
