@@ -1,4 +1,5 @@
-"""The Trainer across parallel layouts and restarts (tiny llama, fp32, one thread per process).
+"""The Trainer across parallel layouts and restarts (tiny llama, fp32, Muon with float32
+Newton-Schulz + AdamW, one thread per process).
 
 References are runs of the same trainer on one process (the independent layout):
 - DP=2 (FSDP over 2 gloo ranks) vs DP=1: losses and full gradients of 5 steps, rel <= 1e-5;
@@ -50,6 +51,10 @@ def args(dump: Path, steps: int, *extra: str) -> list[str]:
         str(steps),
         "--training.max_norm",
         "0",  # unclipped: a uniform gradient scale error must show in the gradients
+        "--optimizer.name",
+        "muon",  # Muon for the matrices (momentum state to resume), AdamW for the rest
+        "--optimizer.muon_ns_dtype",
+        "float32",
         "--optimizer.lr",
         "3e-3",
         "--lr_scheduler.warmup_steps",

@@ -138,6 +138,10 @@ class Optimizer:
     """Muon momentum (Nesterov)."""
     muon_ns_steps: int = 5
     """Muon Newton-Schulz iterations."""
+    muon_ns_dtype: str = "bfloat16"
+    """Dtype of Muon's Newton-Schulz iterations: `bfloat16` (torch's choice, fast on GPUs and
+    bf16-capable CPUs) or `float32` (every parallel layout then matches one process to float32
+    rounding; the layout parity tests use it)."""
 
 
 @dataclass
@@ -225,6 +229,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "training.planner": ("balanced", "dp_balanced"),
     "training.dtype": ("float32", "bfloat16"),
     "optimizer.name": ("adamw", "muon"),
+    "optimizer.muon_ns_dtype": ("bfloat16", "float32"),
     "lr_scheduler.decay": ("cosine", "linear", "none"),
     "parallelism.context_parallel_mode": ("zigzag", "contiguous"),
     "parallelism.pipeline_parallel_schedule": ("1F1B", "GPipe", "Interleaved1F1B"),

@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from tests._dist import spawn
+from titan_thd.components.muon import Muon, newton_schulz
 from titan_thd.components.optimizer import build_optimizers, clip_grad_norm_, default_matrix_params
 from titan_thd.config import Optimizer
 from titan_thd.models.spec import ModelSpec
@@ -56,7 +57,7 @@ def test_muon_gets_matrices_adamw_the_rest():
     model = TinyLM()
     opts = build_optimizers([model], Optimizer(name="muon", lr=0.02), SPEC)
     muon, adamw = opts.optimizers
-    assert isinstance(muon, torch.optim.Muon) and isinstance(adamw, torch.optim.AdamW)
+    assert isinstance(muon, Muon) and isinstance(adamw, torch.optim.AdamW)
     names = {id(p): n for n, p in model.named_parameters()}
     assert [names[id(p)] for g in muon.param_groups for p in g["params"]] == ["proj.weight"]
     rest = sorted(names[id(p)] for g in adamw.param_groups for p in g["params"])
@@ -65,6 +66,22 @@ def test_muon_gets_matrices_adamw_the_rest():
     opts.step()
     assert set(muon.state[model.proj.weight]) == {"momentum_buffer"}
     assert "exp_avg" in adamw.state[model.out.weight]
+
+
+@pytest.mark.parametrize("name", ["adamw", "muon"])
+def test_unused_parameter_steps_with_a_zero_gradient(name):
+    """As under FSDP (unused parameters are reduce-scattered as zeros): weight decay applies, the
+    update itself is zero, the optimizer state exists."""
+    torch.manual_seed(0)
+    model = TinyLM()
+    model.unused = nn.Linear(8, 8, bias=False)  # not called by forward
+    before = model.unused.weight.detach().clone()
+    opts = build_optimizers([model], Optimizer(name=name, lr=0.01, weight_decay=0.5), SPEC)
+    _loss(model).backward()
+    assert model.unused.weight.grad is None
+    opts.step()
+    torch.testing.assert_close(model.unused.weight.detach(), before * (1 - 0.01 * 0.5), rtol=0, atol=1e-7)
+    assert any(model.unused.weight in opt.state for opt in opts.optimizers)
 
 
 def test_matrix_params_must_be_2d():
@@ -144,3 +161,78 @@ def test_clip_grad_norm_dtensor_two_ranks():
         assert total == pytest.approx(float(ref_total), rel=1e-6)
         for got, p in zip(clipped, ref_params):
             torch.testing.assert_close(torch.tensor(got), p.grad, rtol=1e-6, atol=1e-7)
+
+
+def _muon_grads(shape, steps, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=g) for _ in range(steps)]
+
+
+@pytest.mark.parametrize("shape", [(6, 10), (12, 5)])
+def test_muon_bfloat16_matches_torch_muon(shape):
+    """Independent reference: torch.optim.Muon with the same hyperparameters, three steps."""
+    w0 = torch.randn(shape, generator=torch.Generator().manual_seed(1))
+    ours, ref = nn.Parameter(w0.clone()), nn.Parameter(w0.clone())
+    opt = Muon([ours], lr=0.02, weight_decay=0.1, momentum=0.9, ns_steps=5, ns_dtype="bfloat16")
+    ref_opt = torch.optim.Muon(
+        [ref], lr=0.02, weight_decay=0.1, momentum=0.9, ns_steps=5, adjust_lr_fn="match_rms_adamw"
+    )
+    for grad in _muon_grads(shape, 3):
+        ours.grad, ref.grad = grad.clone(), grad.clone()
+        opt.step()
+        ref_opt.step()
+    assert not torch.equal(ours, w0)
+    torch.testing.assert_close(ours, ref, rtol=0, atol=1e-6)
+    torch.testing.assert_close(
+        opt.state[ours]["momentum_buffer"], ref_opt.state[ref]["momentum_buffer"], rtol=0, atol=0
+    )
+
+
+def test_newton_schulz_float32_orthogonalises_in_the_singular_basis():
+    """float64 SVD reference: U^T X V is diagonal with entries near 1 (the quintic's band)."""
+    g = torch.randn(24, 40, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    u, _, vh = torch.linalg.svd(g, full_matrices=False)
+    x = newton_schulz(g, steps=5, dtype=torch.float32).double()
+    core = u.mT @ x @ vh.mT
+    off = core - torch.diag_embed(core.diagonal())
+    assert off.abs().max() < 1e-5
+    assert 0.6 < core.diagonal().min() and core.diagonal().max() < 1.25
+    tall = newton_schulz(g.mT, steps=5, dtype=torch.float32).double()
+    torch.testing.assert_close(tall, x.mT, rtol=0, atol=1e-6)
+
+
+def test_muon_refuses_bad_input():
+    with pytest.raises(ValueError, match=r"2-D weights only.*\(3,\)"):
+        Muon([nn.Parameter(torch.zeros(3))], lr=0.1, weight_decay=0.0)
+    with pytest.raises(ValueError, match="ns_dtype: got 'float16'"):
+        Muon([nn.Parameter(torch.zeros(3, 3))], lr=0.1, weight_decay=0.0, ns_dtype="float16")
+
+
+def _sharded_muon(rank, world_size, shape, grads):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("fsdp",))
+    w0 = torch.randn(shape, generator=torch.Generator().manual_seed(1))
+    w = nn.Parameter(distribute_tensor(w0, mesh, [Shard(0)]))
+    opt = Muon([w], lr=0.02, weight_decay=0.1, ns_dtype="float32")
+    for grad in grads:
+        w.grad = distribute_tensor(grad, mesh, [Shard(0)])
+        opt.step()
+    return w.full_tensor().tolist(), w.to_local().shape[0]
+
+
+@pytest.mark.slow
+def test_muon_on_fsdp_shards_equals_one_process():
+    """Rows 7 over 2 ranks (uneven shards): the gathered float32 update equals the unsharded one."""
+    shape = (7, 5)
+    grads = _muon_grads(shape, 3)
+    w = nn.Parameter(torch.randn(shape, generator=torch.Generator().manual_seed(1)))
+    opt = Muon([w], lr=0.02, weight_decay=0.1, ns_dtype="float32")
+    for grad in grads:
+        w.grad = grad.clone()
+        opt.step()
+    results = spawn(_sharded_muon, 2, shape, grads)
+    assert [rows for _, rows in results] == [4, 3]
+    for full, _ in results:
+        torch.testing.assert_close(torch.tensor(full), w.detach(), rtol=0, atol=1e-6)

@@ -6,7 +6,8 @@ parameter name (`torch.distributed.checkpoint.state_dict`), so it reshards acros
 Muon and AdamW halves never collide.
 
 Weight decay follows nanoGPT: matrices (ndim >= 2) decay, vectors (norm gains, biases) do not.
-Muon uses `adjust_lr_fn="match_rms_adamw"`, so one `optimizer.lr` suits both halves.
+Muon (muon.py) scales its learning rate to match AdamW's update RMS, so one `optimizer.lr` suits
+both halves.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from titan_thd.components.muon import Muon
 from titan_thd.config import Optimizer as OptimizerConfig
 from titan_thd.models.spec import ModelSpec
 
@@ -65,7 +67,15 @@ class OptimizersContainer:
         return [opt for opts in self.per_part for opt in opts]
 
     def step(self) -> None:
+        """Step every optimizer; a parameter without a gradient (an expert no token was routed to
+        in this step) steps with a zero one, as under FSDP, whose reduce-scatter hands unused
+        parameters zero gradients: weight decay and momentum then evolve the same in every
+        layout (and as in Megatron's gradient buffers)."""
         for opt in self.optimizers:
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    if p.grad is None and p.requires_grad:
+                        p.grad = torch.zeros_like(p)
             opt.step()
 
     def zero_grad(self) -> None:
@@ -98,13 +108,13 @@ def build_optimizers(
         wrong = sorted(n for n in matrix_names if n not in params or params[n].ndim != 2)
         if wrong:
             raise ValueError(f"model {spec.name}: Muon needs 2-D parameters, but matrix_params names {wrong}")
-        muon = torch.optim.Muon(
+        muon = Muon(
             [params[n] for n in params if n in matrix_names],
             lr=cfg.lr,
             weight_decay=cfg.weight_decay,
             momentum=cfg.muon_momentum,
             ns_steps=cfg.muon_ns_steps,
-            adjust_lr_fn="match_rms_adamw",
+            ns_dtype=cfg.muon_ns_dtype,
         )
         rest = [p for n, p in params.items() if n not in matrix_names]
         per_part.append([muon, _adamw(rest, cfg)] if rest else [muon])
