@@ -141,8 +141,8 @@ def dsv4_model_bytes(per_kind: dict[str, dict[str, int]], args: DSv4Args) -> dic
 def _count_collectives(counts: dict[str, int], phase: list[str]) -> None:
     """Wrap the gloo collectives cp_comm uses so that every call adds its outgoing bytes."""
     all_gather, reduce_scatter, batch_p2p = (
-        dist.all_gather_into_tensor,
-        dist.reduce_scatter_tensor,
+        dist.all_gather_single,
+        dist.reduce_scatter_single,
         dist.batch_isend_irecv,
     )
 
@@ -161,7 +161,7 @@ def _count_collectives(counts: dict[str, int], phase: list[str]) -> None:
         counts[phase[0]] += sum(o.tensor.numel() * o.tensor.element_size() for o in ops if o.op is dist.isend)
         return batch_p2p(ops)
 
-    dist.all_gather_into_tensor, dist.reduce_scatter_tensor = gather_counted, scatter_counted
+    dist.all_gather_single, dist.reduce_scatter_single = gather_counted, scatter_counted
     dist.batch_isend_irecv = p2p_counted
 
 

@@ -24,14 +24,14 @@ class _AllGatherRows(torch.autograd.Function):
         ctx.group = group
         world = dist.get_world_size(group)
         out = x.new_empty((world * x.shape[0], *x.shape[1:]))
-        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+        dist.all_gather_single(out, x.contiguous(), group=group)
         return out
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         world = dist.get_world_size(ctx.group)
         grad_in = grad_out.new_empty((grad_out.shape[0] // world, *grad_out.shape[1:]))
-        dist.reduce_scatter_tensor(grad_in, grad_out.contiguous(), op=dist.ReduceOp.SUM, group=ctx.group)
+        dist.reduce_scatter_single(grad_in, grad_out.contiguous(), op=dist.ReduceOp.SUM, group=ctx.group)
         return grad_in, None
 
 
