@@ -208,31 +208,55 @@ def test_muon_refuses_bad_input():
         Muon([nn.Parameter(torch.zeros(3, 3))], lr=0.1, weight_decay=0.0, ns_dtype="float16")
 
 
-def _sharded_muon(rank, world_size, shape, grads):
+SHAPES = [(7, 5), (1, 4), (6, 6), (3, 8)]  # uneven rows, a rank with an empty shard
+
+
+def _sharded_muon(rank, world_size, grads):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
+    from titan_thd.components import muon
+
+    calls = []
+    real_ns = muon.newton_schulz
+    muon.newton_schulz = lambda g, *a, **k: calls.append(tuple(g.shape)) or real_ns(g, *a, **k)
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("fsdp",))
-    w0 = torch.randn(shape, generator=torch.Generator().manual_seed(1))
-    w = nn.Parameter(distribute_tensor(w0, mesh, [Shard(0)]))
-    opt = Muon([w], lr=0.02, weight_decay=0.1, ns_dtype="float32")
-    for grad in grads:
-        w.grad = distribute_tensor(grad, mesh, [Shard(0)])
+    ws = [nn.Parameter(distribute_tensor(w, mesh, [Shard(0)])) for w in _muon_start()]
+    opt = Muon(ws, lr=0.02, weight_decay=0.1, ns_dtype="float32")
+    for step_grads in grads:
+        for w, g in zip(ws, step_grads):
+            w.grad = distribute_tensor(g, mesh, [Shard(0)])
         opt.step()
-    return w.full_tensor().tolist(), w.to_local().shape[0]
+    return [w.full_tensor().tolist() for w in ws], calls
+
+
+def _muon_start():
+    g = torch.Generator().manual_seed(1)
+    return [torch.randn(shape, generator=g) for shape in SHAPES]
 
 
 @pytest.mark.slow
 def test_muon_on_fsdp_shards_equals_one_process():
-    """Rows 7 over 2 ranks (uneven shards): the gathered float32 update equals the unsharded one."""
-    shape = (7, 5)
-    grads = _muon_grads(shape, 3)
-    w = nn.Parameter(torch.randn(shape, generator=torch.Generator().manual_seed(1)))
-    opt = Muon([w], lr=0.02, weight_decay=0.1, ns_dtype="float32")
-    for grad in grads:
-        w.grad = grad.clone()
+    """Each matrix is orthogonalised whole by one owner rank (matrices spread over the ranks by
+    size) and its shards scattered back: the result equals the unsharded optimizer's (float32)."""
+    grads = [
+        [
+            torch.randn(shape, generator=torch.Generator().manual_seed(10 * s + i))
+            for i, shape in enumerate(SHAPES)
+        ]
+        for s in range(3)
+    ]
+    ws = [nn.Parameter(w) for w in _muon_start()]
+    opt = Muon(ws, lr=0.02, weight_decay=0.1, ns_dtype="float32")
+    for step_grads in grads:
+        for w, g in zip(ws, step_grads):
+            w.grad = g.clone()
         opt.step()
-    results = spawn(_sharded_muon, 2, shape, grads)
-    assert [rows for _, rows in results] == [4, 3]
+    results = spawn(_sharded_muon, 2, grads)
     for full, _ in results:
-        torch.testing.assert_close(torch.tensor(full), w.detach(), rtol=0, atol=1e-6)
+        for got, w in zip(full, ws):
+            torch.testing.assert_close(torch.tensor(got), w.detach(), rtol=0, atol=1e-6)
+    # Greedy by size: rank 0 owns (7, 5) and (3, 8), rank 1 owns (1, 4) and (6, 6); full matrices only.
+    owned = [sorted(set(calls)) for _, calls in results]
+    assert owned == [[(3, 8), (7, 5)], [(1, 4), (6, 6)]], owned
+    assert [len(calls) for _, calls in results] == [6, 6]  # 2 matrices x 3 steps each

@@ -10,18 +10,22 @@ parameter, as in torch's Muon.
 Why not torch.optim.Muon itself: on FSDP2 parameters (DTensors sharded over dp x cp) it runs the
 Newton-Schulz matmuls as DTensor ops, which redistribute the shards at every iteration and sum in
 a layout-dependent order, always in bfloat16, so two layouts of the same run drift apart by ~1e-5
-per step. Here a sharded update is gathered once, orthogonalised as a whole on every rank (the same
-arithmetic as one process), and each rank keeps its own shard; `ns_dtype = float32` then makes
-every layout match one process to float32 rounding. (Every rank repeats the Newton-Schulz work of
-every matrix; spreading matrices over ranks is the known next step for very large models.)
+per step. Here each sharded matrix has one owner rank (matrices spread over the ranks by size): its
+shards are gathered to the owner, which orthogonalises the whole matrix (the same arithmetic as one
+process) and scatters the result's shards back. Each rank thus does 1/n of the Newton-Schulz work
+and receives only the matrices it owns, instead of every rank orthogonalising every matrix (for
+V4-Flash, ~33k expert matrices of 2048 x 4096: ~1.4e16 FLOPs per rank per step). With
+`ns_dtype = float32` every layout matches one process to float32 rounding.
 """
 
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 
 import torch
-from torch.distributed.tensor import DTensor, distribute_tensor
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
@@ -76,23 +80,59 @@ class Muon(torch.optim.Optimizer):
         assert closure is None, "Muon does not re-evaluate the loss"
         for group in self.param_groups:
             lr, mu = group["lr"], group["momentum"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
+            params = [p for p in group["params"] if p.grad is not None]
+            updates = []
+            for p in params:
                 state = self.state[p]
                 if not state:
                     state["momentum_buffer"] = torch.zeros_like(p.grad)
                 buf = state["momentum_buffer"]
                 buf.lerp_(p.grad, 1 - mu)
-                update = p.grad.lerp(buf, mu) if group["nesterov"] else buf
-                update = self._orthogonalise(update, group["ns_steps"], getattr(torch, group["ns_dtype"]))
+                updates.append(p.grad.lerp(buf, mu) if group["nesterov"] else buf)
+            orthogonal = orthogonalise(updates, group["ns_steps"], getattr(torch, group["ns_dtype"]))
+            for p, update in zip(params, orthogonal):
                 p.mul_(1 - lr * group["weight_decay"])
                 p.add_(update, alpha=-lr * 0.2 * math.sqrt(max(p.shape)))
 
-    @staticmethod
-    def _orthogonalise(update: torch.Tensor, steps: int, dtype: torch.dtype) -> torch.Tensor:
-        if not isinstance(update, DTensor):
-            return newton_schulz(update, steps, dtype).to(update.dtype)
-        full = newton_schulz(update.full_tensor(), steps, dtype).to(update.dtype)
-        # Every rank holds the same full result: keep the local shard, no communication.
-        return distribute_tensor(full, update.device_mesh, update.placements, src_data_rank=None)
+
+def orthogonalise(updates: list[torch.Tensor], steps: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    """`newton_schulz` of every update, each in its own layout (plain tensor or DTensor)."""
+    load: dict[tuple[int, int], int] = defaultdict(int)  # elements owned per (mesh, rank)
+    out = []
+    for u in updates:
+        if not isinstance(u, DTensor):
+            out.append(newton_schulz(u, steps, dtype).to(u.dtype))
+        elif u.device_mesh.ndim == 1 and u.placements == (Shard(0),):  # FSDP2's layout
+            n = u.device_mesh.size()
+            owner = min(range(n), key=lambda r: (load[id(u.device_mesh), r], r))
+            load[id(u.device_mesh), owner] += u.numel()
+            out.append(_newton_schulz_at_owner(u, owner, steps, dtype))
+        else:  # any other layout: every rank orthogonalises the gathered matrix
+            full = newton_schulz(u.full_tensor(), steps, dtype).to(u.dtype)
+            out.append(distribute_tensor(full, u.device_mesh, u.placements, src_data_rank=None))
+    return out
+
+
+def _newton_schulz_at_owner(u_AB: DTensor, owner: int, steps: int, dtype: torch.dtype) -> DTensor:
+    """Gather the row shards of `u_AB` to mesh rank `owner`, orthogonalise there, scatter back.
+
+    Shard(0) splits rows as torch.chunk does (ceil(A/n) per rank, the last ranks short or empty);
+    gather and scatter want equal pieces, so every piece travels padded to ceil(A/n) rows.
+    """
+    mesh, (A, B) = u_AB.device_mesh, u_AB.shape
+    group, n, me = mesh.get_group(), mesh.size(), mesh.get_local_rank()
+    rows = -(-A // n)
+    local = u_AB.to_local()
+    assert local.shape == (max(0, min(rows, A - me * rows)), B), (local.shape, A, B, n, me)
+    piece = local.new_zeros(rows, B)
+    piece[: local.shape[0]] = local
+    root = dist.get_global_rank(group, owner)
+    pieces = [torch.empty_like(piece) for _ in range(n)] if me == owner else None
+    dist.gather(piece, pieces, dst=root, group=group)
+    if me == owner:
+        ortho = newton_schulz(torch.cat(pieces)[:A], steps, dtype).to(piece.dtype)
+        pieces = list(torch.cat([ortho, ortho.new_zeros(rows * n - A, B)]).split(rows))
+    dist.scatter(piece, pieces, src=root, group=group)
+    return DTensor.from_local(
+        piece[: local.shape[0]], mesh, u_AB.placements, shape=u_AB.shape, stride=u_AB.stride()
+    )
