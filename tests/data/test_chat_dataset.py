@@ -31,12 +31,14 @@ def shipped():
         return [json.loads(line)["messages"] for line in f]
 
 
-def test_regeneration_is_byte_identical(gen):
+def test_regeneration_is_identical(gen):
+    """Same JSON lines, byte for byte, and a reproducible gzip header (mtime 0). The compressed
+    bytes themselves are not compared: they depend on the zlib build, not on the generator."""
     shipped_bytes = ASSET.read_bytes()
     assert shipped_bytes[4:8] == b"\0\0\0\0"  # gzip mtime 0
     regenerated = gen.serialise(gen.generate())
+    assert regenerated[4:8] == b"\0\0\0\0"
     assert gzip.decompress(regenerated) == gzip.decompress(shipped_bytes)
-    assert regenerated == shipped_bytes
     assert len(shipped_bytes) < 1_500_000
 
 
