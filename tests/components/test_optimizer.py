@@ -114,6 +114,26 @@ def test_state_dict_round_trip_continues_identically(name):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=n)
 
 
+def test_muon_checkpoint_resumes_with_another_ns_dtype():
+    """The Newton-Schulz dtype is a setting of the run, not checkpointed state (checkpoints written
+    by torch.optim.Muon, which has no such key, resume too)."""
+    torch.manual_seed(0)
+    model = TinyLM()
+    opts = build_optimizers([model], Optimizer(name="muon", lr=0.01), SPEC)
+    _loss(model).backward()
+    opts.step()
+    state = opts.state_dict()
+    assert not any(k.endswith(".ns_dtype") for k in state)
+    twin_opts = build_optimizers(
+        [copy.deepcopy(model)], Optimizer(name="muon", muon_ns_dtype="float32"), SPEC
+    )
+    twin_opts.load_state_dict(copy.deepcopy(state))
+    assert twin_opts.optimizers[0].ns_dtype == torch.float32
+    torch.testing.assert_close(
+        twin_opts.optimizers[0].state_dict()["state"], opts.optimizers[0].state_dict()["state"]
+    )
+
+
 def _params_with_grads(seed=0):
     g = torch.Generator().manual_seed(seed)
     params = [nn.Parameter(torch.zeros(s)) for s in ((4, 3), (5,), (2, 2, 2))]

@@ -64,11 +64,13 @@ class Muon(torch.optim.Optimizer):
             "weight_decay": weight_decay,
             "momentum": momentum,
             "ns_steps": ns_steps,
-            "ns_dtype": ns_dtype,
             "nesterov": nesterov,
         }
         if ns_dtype not in ("bfloat16", "float32"):
             raise ValueError(f"Muon ns_dtype: got {ns_dtype!r}, expected 'bfloat16' or 'float32'")
+        # A numerics setting of this run, not a hyperparameter to checkpoint: kept out of the
+        # param groups, so checkpoints resume whichever dtype the resuming run chooses.
+        self.ns_dtype = getattr(torch, ns_dtype)
         super().__init__(params, defaults)
         for group in self.param_groups:
             bad = [tuple(p.shape) for p in group["params"] if p.ndim != 2]
@@ -89,7 +91,7 @@ class Muon(torch.optim.Optimizer):
                 buf = state["momentum_buffer"]
                 buf.lerp_(p.grad, 1 - mu)
                 updates.append(p.grad.lerp(buf, mu) if group["nesterov"] else buf)
-            orthogonal = orthogonalise(updates, group["ns_steps"], getattr(torch, group["ns_dtype"]))
+            orthogonal = orthogonalise(updates, group["ns_steps"], self.ns_dtype)
             for p, update in zip(params, orthogonal):
                 p.mul_(1 - lr * group["weight_decay"])
                 p.add_(update, alpha=-lr * 0.2 * math.sqrt(max(p.shape)))
