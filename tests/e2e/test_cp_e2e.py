@@ -38,15 +38,6 @@ DSV4 = [
 ]  # fmt: skip
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    "args, header, keys",
-    [
-        (LLAMA, "dp 2, cp 2 (zigzag)", ("loss",)),
-        (DSV4, "dp 2, cp 2 (contiguous)", ("loss", "aux/mtp", "aux/indexer")),
-    ],
-    ids=["llama-zigzag", "dsv4-contiguous"],
-)
 def one_and_dp2_cp2(tmp_path, args, header, steps=STEPS):
     """metrics.jsonl records of one process and of DP 2 x CP 2 (4 processes) on the same config."""
     common = ["--training.steps", str(steps), "--metrics.enable_tensorboard", "false"]
