@@ -367,6 +367,14 @@ class Trainer:
             c.training.tokens_per_microbatch,
             c.training.global_batch_size,
         )
+        if c.training.global_batch_size < d.dp:
+            logger.warning(
+                "training.global_batch_size = %d samples for %d data-parallel replicas: at least %d "
+                "replicas train on padding only every step",
+                c.training.global_batch_size,
+                d.dp,
+                d.dp - c.training.global_batch_size,
+            )
         logger.info(
             "MFU peak %.3f TFLOP/s per rank (%s)",
             self.peak_tflops,

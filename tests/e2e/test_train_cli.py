@@ -188,6 +188,7 @@ def test_fake_mode_dry_run_prints_memory_per_rank(tmp_path, world, layout, heade
         in proc.stderr
     )
     assert [r["step"] for r in records(tmp_path)] == [1]
+    assert "padding only" not in proc.stderr  # as many samples per step as replicas, or more
 
 
 def test_fake_mode_world_the_degrees_do_not_multiply_to(tmp_path, monkeypatch, capsys):
@@ -208,14 +209,17 @@ def test_fake_mode_world_the_degrees_do_not_multiply_to(tmp_path, monkeypatch, c
 
 
 def test_fake_mode_skips_a_step_that_cannot_fit(tmp_path, monkeypatch, caplog):
-    """The dry run still builds everything, then says why it does not run the step."""
+    """The dry run still builds everything, then says why it does not run the step (and that 4
+    samples per step leave 4 of its 8 replicas with padding only)."""
     monkeypatch.setenv("NGPU", "8")
     page = os.sysconf("SC_PAGE_SIZE")
     monkeypatch.setattr(os, "sysconf", lambda name: 16 if name == "SC_AVPHYS_PAGES" else page)
     config = str(ROOT / "train_configs" / CONFIG)
     overrides = ["--comm.mode", "fake", "--training.steps", "1", "--job.dump_folder", str(tmp_path)]
+    overrides += ["--training.global_batch_size", "4"]
     with caplog.at_level("INFO", logger="titan_thd"):
         assert main(["--job.config_file", config, *SMALL, *overrides]) == 0
+    assert "global_batch_size = 4 samples for 8 data-parallel replicas: at least 4" in caplog.text
     assert "estimated memory per rank" in caplog.text
     assert "the step is skipped because one FSDP unit needs about" in caplog.text
     assert not (tmp_path / "metrics.jsonl").exists()
