@@ -115,7 +115,7 @@ class Training:
     max_norm: float = 1.0
     """Gradient clipping norm (0 disables clipping)."""
     dtype: str = "float32"
-    """Parameter and compute dtype: `float32` or `bfloat16`."""
+    """Parameter and compute dtype: `float32`, `bfloat16` or `float64` (exact parity checks)."""
     deterministic: bool = False
     """Use deterministic algorithms (for bitwise comparisons)."""
 
@@ -138,10 +138,11 @@ class Optimizer:
     """Muon momentum (Nesterov)."""
     muon_ns_steps: int = 5
     """Muon Newton-Schulz iterations."""
-    muon_ns_dtype: str = "bfloat16"
-    """Dtype of Muon's Newton-Schulz iterations: `bfloat16` (torch's choice, fast on GPUs and
-    bf16-capable CPUs) or `float32` (every parallel layout then matches one process to float32
-    rounding; the layout parity tests use it)."""
+    muon_ns_dtype: str = "auto"
+    """Dtype of Muon's Newton-Schulz iterations: `auto` (bfloat16 where bf16 matmuls are native:
+    CUDA, CPUs with AVX512-BF16/AMX; float32 elsewhere, where bf16 is emulated and ~10x slower;
+    float64 for float64 parameters; printed in the log header), `bfloat16` (torch's choice),
+    `float32` (every parallel layout then matches one process to float32 rounding) or `float64`."""
 
 
 @dataclass
@@ -227,9 +228,9 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "data.format": ("auto", "messages", "sharegpt", "alpaca", "text"),
     "data.overlong": ("truncate", "drop"),
     "training.planner": ("balanced", "dp_balanced"),
-    "training.dtype": ("float32", "bfloat16"),
+    "training.dtype": ("float32", "bfloat16", "float64"),
     "optimizer.name": ("adamw", "muon"),
-    "optimizer.muon_ns_dtype": ("bfloat16", "float32"),
+    "optimizer.muon_ns_dtype": ("auto", "bfloat16", "float32", "float64"),
     "lr_scheduler.decay": ("cosine", "linear", "none"),
     "parallelism.context_parallel_mode": ("zigzag", "contiguous"),
     "parallelism.pipeline_parallel_schedule": ("1F1B", "GPipe", "Interleaved1F1B"),

@@ -12,6 +12,7 @@ sums gradients over ranks, so loss and gradients do not depend on the parallel l
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import logging
@@ -25,10 +26,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from titan_thd.components import hardware
 from titan_thd.components.checkpoint import CheckpointManager, model_fingerprint
 from titan_thd.components.loss import cross_entropy_sum
 from titan_thd.components.lr_scheduler import LRSchedulersContainer
 from titan_thd.components.metrics import MetricsLogger, peak_tflops_per_rank, step_metrics
+from titan_thd.components.muon import Muon
 from titan_thd.components.optimizer import (
     OptimizersContainer,
     build_optimizers,
@@ -201,6 +204,7 @@ class Trainer:
             )
         dist_utils.barrier()
         self.metrics = MetricsLogger(cfg.metrics, cfg.job.dump_folder, enabled=self.dist.is_main)
+        self._recent_step_times: collections.deque[float] = collections.deque(maxlen=10)
         self._log_header()
 
     # ------------------------------------------------------------------ checkpointed state
@@ -282,6 +286,10 @@ class Trainer:
             aux_losses=aux,
         )
         self.metrics.log(record, last_step=self.cfg.training.steps)
+        self._recent_step_times.append(step_time)
+        last = self.cfg.training.steps
+        if self.dist.is_main and self.step < last and self.metrics.should_print(self.step, last):
+            logger.info("%s", progress_line(self.step, last, self._recent_step_times))
 
     def train(self) -> None:
         if self.dist.fake and not self._fake_step_fits():
@@ -345,6 +353,15 @@ class Trainer:
                 self.model, d, c.optimizer.name, as_dtype(c.training.dtype), muon_params
             ),
         )
+        muon_opt = next((o for o in self.optimizers.optimizers if isinstance(o, Muon)), None)
+        logger.info(
+            "hardware: %s%s",
+            hardware.detect(self.dist.device).describe(),
+            ""
+            if muon_opt is None
+            else f"; Muon Newton-Schulz in {str(muon_opt.ns_dtype).removeprefix('torch.')} "
+            f"(optimizer.muon_ns_dtype = {c.optimizer.muon_ns_dtype})",
+        )
         logger.info(
             "world %d on %s%s: dp %d, cp %d (%s), tp %d, pp %d",
             d.world_size,
@@ -380,6 +397,18 @@ class Trainer:
             self.peak_tflops,
             "metrics.peak_tflops" if c.metrics.peak_tflops else "measured matmul peak",
         )
+
+
+def progress_line(step: int, last_step: int, recent_step_times: collections.abc.Sequence[float]) -> str:
+    """`step 20/40 (50%), 3.10 s/step (last 10), ETA 1m02s`: steps left x the recent mean step time."""
+    per_step = sum(recent_step_times) / max(1, len(recent_step_times))
+    eta = round((last_step - step) * per_step)
+    hours, rest = divmod(eta, 3600)
+    clock = f"{hours}h{rest // 60:02d}m" if hours else f"{rest // 60}m{rest % 60:02d}s"
+    return (
+        f"progress: step {step}/{last_step} ({100 * step / last_step:.0f}%), {per_step:.2f} s/step "
+        f"(last {len(recent_step_times)}), ETA {clock}"
+    )
 
 
 def hf_vocab_size(path: str, tokenizer_vocab: int) -> int:

@@ -125,9 +125,11 @@ def test_sigterm_to_run_train_saves_and_exits_zero(run20, tmp_path, ngpu):
     assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == [f"step-{stopped}"]
     one, got = records(run20[0]), records(tmp_path)
     assert [r["step"] for r in got] == list(range(1, stopped + 1))
-    for a, b in zip(one, got):  # 2 ranks sum in another order: not bitwise
-        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5 if ngpu == "2" else 1e-6)
+    for a, b in zip(one, got):
         assert b["tokens_real"] == a["tokens_real"] and b["tokens_trained"] == a["tokens_trained"]
+        if ngpu == "1":  # the same process layout and thread count: the same arithmetic
+            assert b["loss"] == a["loss"]
+        # (2 ranks sum in another order; DP parity in float64 is test_train_layouts.py's subject)
     if ngpu == "2":
         assert "[rank1]" not in out  # LOG_RANK defaults to rank 0 only
         return
@@ -136,10 +138,8 @@ def test_sigterm_to_run_train_saves_and_exits_zero(run20, tmp_path, ngpu):
     assert f"checkpoint: resumed from {tmp_path / 'checkpoint' / f'step-{stopped}'}" in proc.stderr
     resumed = records(tmp_path)
     assert [r["step"] for r in resumed] == list(range(1, stopped + 3))
-    for a, b in zip(one, resumed):
-        assert b["loss"] == pytest.approx(a["loss"], rel=1e-6) and b["lr"] == pytest.approx(
-            a["lr"], rel=1e-12
-        )
+    for a, b in zip(one, resumed):  # resume is bitwise
+        assert (b["loss"], b["lr"]) == (a["loss"], a["lr"])
 
 
 def params_per_rank(log: str) -> tuple[int, int]:

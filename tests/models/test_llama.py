@@ -158,13 +158,13 @@ def _fsdp_vs_one_process(rank: int, world_size: int) -> float:
     in one unsharded model. Returns the largest gradient difference relative to the gradient's size
     (summed CE, float32)."""
     torch.manual_seed(0)
-    reference = build_llama(TINY)
+    reference = build_llama(TINY).double()
     for tokens, meta in _microbatches():
         cross_entropy_sum(reference(tokens, meta).logits, _labels(tokens, meta)).backward()
     dims = ParallelDims(pp=1, dp_shard=-1, cp=1, tp=1, world_size=world_size)
     dims.build_meshes("cpu")
     torch.manual_seed(0)
-    model = parallelize_llama(build_llama(TINY), dims, Parallelism())
+    model = parallelize_llama(build_llama(TINY).double(), dims, Parallelism())
     tokens, meta = _microbatches()[rank]
     cross_entropy_sum(model(tokens, meta).logits, _labels(tokens, meta)).backward()
     ref_grads = dict(reference.named_parameters())
@@ -188,5 +188,6 @@ def _labels(tokens: torch.Tensor, meta: BatchMeta) -> torch.Tensor:
 
 @pytest.mark.slow
 def test_fsdp_two_ranks_match_one_process():
-    """Each rank packs different documents; summed FSDP gradients equal the one-process gradients."""
-    assert max(spawn(_fsdp_vs_one_process, 2)) <= 1e-5
+    """Each rank packs different documents; summed FSDP gradients equal the one-process gradients
+    (float64: rel <= 1e-12 of each gradient's largest entry)."""
+    assert max(spawn(_fsdp_vs_one_process, 2)) <= 1e-12

@@ -66,8 +66,8 @@ class Muon(torch.optim.Optimizer):
             "ns_steps": ns_steps,
             "nesterov": nesterov,
         }
-        if ns_dtype not in ("bfloat16", "float32"):
-            raise ValueError(f"Muon ns_dtype: got {ns_dtype!r}, expected 'bfloat16' or 'float32'")
+        if ns_dtype not in ("bfloat16", "float32", "float64"):
+            raise ValueError(f"Muon ns_dtype: got {ns_dtype!r}, expected 'bfloat16', 'float32' or 'float64'")
         # A numerics setting of this run, not a hyperparameter to checkpoint: kept out of the
         # param groups, so checkpoints resume whichever dtype the resuming run chooses.
         self.ns_dtype = getattr(torch, ns_dtype)

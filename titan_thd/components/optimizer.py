@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from titan_thd.components import hardware
 from titan_thd.components.muon import Muon
 from titan_thd.config import Optimizer as OptimizerConfig
 from titan_thd.models.spec import ModelSpec
@@ -108,13 +109,15 @@ def build_optimizers(
         wrong = sorted(n for n in matrix_names if n not in params or params[n].ndim != 2)
         if wrong:
             raise ValueError(f"model {spec.name}: Muon needs 2-D parameters, but matrix_params names {wrong}")
+        matrices = [params[n] for n in params if n in matrix_names]
+        first = matrices[0] if matrices else next(iter(params.values()))
         muon = Muon(
-            [params[n] for n in params if n in matrix_names],
+            matrices,
             lr=cfg.lr,
             weight_decay=cfg.weight_decay,
             momentum=cfg.muon_momentum,
             ns_steps=cfg.muon_ns_steps,
-            ns_dtype=cfg.muon_ns_dtype,
+            ns_dtype=hardware.muon_ns_dtype(cfg.muon_ns_dtype, hardware.detect(first.device), first.dtype),
         )
         rest = [p for n, p in params.items() if n not in matrix_names]
         per_part.append([muon, _adamw(rest, cfg)] if rest else [muon])
@@ -138,7 +141,10 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float) -> torc
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     if not norms:
         return torch.zeros(())
-    total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))
+    # At least float32 (bf16 norms would round the clip factor); float64 stays float64 for parity runs.
+    total = torch.linalg.vector_norm(
+        torch.stack([n.to(torch.promote_types(n.dtype, torch.float32)) for n in norms])
+    )
     if max_norm > 0:
         for params in by_mesh.values():  # one foreach multiply per mesh: DTensor ops cannot mix meshes
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)

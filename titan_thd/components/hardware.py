@@ -1,0 +1,87 @@
+"""What the machine at hand computes fast, decided once at start-up, and the `auto` defaults it sets.
+
+bfloat16 matrix products are native on CUDA GPUs with bf16 support and on x86 CPUs with
+AVX512-BF16 or AMX-BF16. Elsewhere (e.g. an AVX2-only EPYC) oneDNN emulates them and a bf16 matmul
+costs ~10x a float32 one, so Muon's Newton-Schulz in bf16 turned a 5-12 s step of the dsv4 recipe
+into 68-73 s. `optimizer.muon_ns_dtype = "auto"` therefore picks:
+
+    parameters in float64   -> float64 (parity runs: nothing may round to float32 on the way)
+    native bf16 matmuls      -> bfloat16 (torch.optim.Muon's choice)
+    otherwise                -> float32
+
+The CPU check needs both the CPU's flags and oneDNN's own answer, so an AVX2 emulation on a newer
+CPU (`ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2`) is treated like the older CPU it imitates.
+"""
+
+from __future__ import annotations
+
+import functools
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+_NATIVE_BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+@dataclass(frozen=True)
+class Hardware:
+    device: str
+    """What computes: `cuda:0 (NVIDIA H100 ...)` or `cpu (AMD EPYC ...)`."""
+    capability: str
+    """CUDA compute capability `sm_90`, or torch's CPU kernel level (`AVX2`, `AVX512`, ...)."""
+    native_bf16_matmul: bool
+    """bfloat16 matrix products run in hardware (not emulated)."""
+
+    def describe(self) -> str:
+        bf16 = "native bf16 matmul" if self.native_bf16_matmul else "no native bf16 matmul"
+        return f"{self.device}, {self.capability}, {bf16}"
+
+
+def cpu_model_name() -> str:
+    """The CPU's model name as lscpu shows it (`AMD EPYC`), or the platform's processor string."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+@functools.cache
+def detect(device: torch.device) -> Hardware:
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return Hardware(
+            device=f"{device} ({torch.cuda.get_device_name(device)})",
+            capability=f"sm_{major}{minor}",
+            native_bf16_matmul=torch.cuda.is_bf16_supported(),
+        )
+    capability = torch.backends.cpu.get_cpu_capability()
+    native = (
+        bool(_cpu_flags() & set(_NATIVE_BF16_CPU_FLAGS))
+        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        and capability not in ("DEFAULT", "AVX2")
+    )
+    return Hardware(device=f"cpu ({cpu_model_name()})", capability=capability, native_bf16_matmul=native)
+
+
+def muon_ns_dtype(choice: str, hw: Hardware, param_dtype: torch.dtype) -> str:
+    """The Newton-Schulz dtype for `optimizer.muon_ns_dtype = choice` (see the module docstring)."""
+    if choice != "auto":
+        return choice
+    if param_dtype == torch.float64:
+        return "float64"
+    return "bfloat16" if hw.native_bf16_matmul else "float32"
