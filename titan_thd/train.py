@@ -3,7 +3,7 @@
     ./run_train.sh --config debug_dense_thd.toml            # torchrun -> main() -> Trainer
     python -m titan_thd.train --help                         # every config field with its doc
 
-Loss (DESIGN.md section 3.5): every microbatch backpropagates
+Loss (docs/design.md §3.5): every microbatch backpropagates
     (sum of token cross-entropy over its trained tokens + its aux-loss sums) / N
 where N is the GLOBAL number of trained tokens of the optimizer step (all microbatches, all data-
 and context-parallel ranks), known to every rank from the step's plan. Nothing else divides: FSDP

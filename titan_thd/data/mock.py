@@ -1,6 +1,6 @@
 """Mock dataset: sample lengths from a distribution or a CSV file, tokens generated on demand.
 
-Distribution mode (Megatron's `MockSFTLowLevelDataset`, megatron_thd_spec.md section 6.1):
+Distribution mode (Megatron's `MockSFTLowLevelDataset`, docs/thd_reference.md §6.1):
     {mode = "distribution", type = "lognormal", min_seq_len, max_seq_len, mean_seq_len, lognormal_sigma}
     mu = ln(mean_seq_len) - sigma^2 / 2, lengths = lognormal(mu, sigma) drawn with numpy's legacy
     `RandomState(seed)`, clipped to [min_seq_len, max_seq_len], truncated to int. The clip makes

@@ -1,4 +1,4 @@
-"""Offline packing (megatron_thd_spec.md section 7): documents -> rows of T tokens, in Parquet.
+"""Offline packing (docs/thd_reference.md §7): documents -> rows of T tokens, in Parquet.
 
 Written by `scripts/prepare_packed_data.py`, read for `data.source = "packed"`. A pack is a folder:
 

@@ -40,7 +40,7 @@ spec = ModelSpec(
     build=build_dsv4,
     flops_per_step=flops_per_step,
     parallelize=parallelize_dsv4,
-    # Windows and compressors need a contiguous left context from one neighbour (research §9.1).
+    # Windows and compressors need a contiguous left context from one neighbour (docs/dsv4.md §9.1).
     cp_modes=("contiguous",),
     min_tokens_per_cp_rank=lambda args: args.halo,
     matrix_params=matrix_params,
