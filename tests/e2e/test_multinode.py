@@ -17,11 +17,17 @@ from tests.e2e.test_train_cli import CONFIG, SMALL, records, run_train
 
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCH_VARS = ("NGPU", "NNODES", "NODE_RANK", "RDZV_ENDPOINT", "RDZV_ID", "MASTER_ADDR", "MASTER_PORT")
-# The schedule does not depend on training.steps, so runs of different lengths share their steps.
+# Steps of 4 samples, 2 per rank (a quarter of a second of compute each): the runs are all start-up
+# otherwise. The schedule does not depend on training.steps, so runs of different lengths share
+# their steps.
 COMMON = [
     "--config",
     CONFIG,
     *SMALL,
+    "--training.global_batch_size",
+    "4",
+    "--training.tokens_per_microbatch",
+    "512",
     "--metrics.log_freq",
     "1",
     "--metrics.enable_tensorboard",
@@ -175,6 +181,29 @@ def test_sigterm_to_every_process_of_both_nodes_saves_and_exits_zero(one_node, c
     assert [r["step"] for r in got] == list(range(1, stopped + 1))
     for a, b in zip(one_node, got):
         assert {k: b[k] for k in SAME} == {k: a[k] for k in SAME}
+
+
+def test_sigterm_while_waiting_for_the_other_nodes_stops_the_launch(launchers, tmp_path):
+    """Node 0 alone waits in the rendezvous (up to 10 minutes) for node 1. With no rank to save
+    anything, a SIGTERM to run_train.sh stops torchrun, which itself drops SIGTERM."""
+    port = free_port()
+    args = ["--config", CONFIG, "--job.dump_folder", str(tmp_path)]
+    node0 = launchers(0, args, tmp_path / "node0.log", RDZV_ENDPOINT=f"127.0.0.1:{port}")
+    deadline = time.monotonic() + TIMEOUT
+    while True:  # until node 0's torchrun hosts the rendezvous store
+        assert node0.poll() is None, (tmp_path / "node0.log").read_text()
+        assert time.monotonic() < deadline, "no rendezvous store in time"
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                break
+        time.sleep(0.2)
+    tree = process_tree(node0.pid)
+    assert len(tree) == 2  # run_train.sh and torchrun, no rank yet
+    node0.send_signal(signal.SIGTERM)
+    assert node0.wait(timeout=60) == 130, (tmp_path / "node0.log").read_text()
+    assert "Traceback" not in (tmp_path / "node0.log").read_text()
+    with pytest.raises(ProcessLookupError):
+        os.kill(tree[1], 0)
 
 
 @pytest.mark.parametrize(
