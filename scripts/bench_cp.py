@@ -53,15 +53,15 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests._dist import spawn
 from titan_thd.components.loss import cross_entropy_sum
+from titan_thd.data.batch_meta import BatchMeta, CPContext
 from titan_thd.data.cp_partition import partition
 from titan_thd.data.mock import mock_lengths
 from titan_thd.data.packer import pack_microbatch
-from titan_thd.models.batch_meta import BatchMeta, CPContext
 from titan_thd.models.dsv4 import DSv4Args, build_dsv4, flavors
 from titan_thd.models.llama import LlamaArgs, build_llama
 from titan_thd.models.llama import flavors as llama_flavors
+from titan_thd.parallel.spawn import spawn
 
 
 @dataclasses.dataclass

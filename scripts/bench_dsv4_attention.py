@@ -27,8 +27,8 @@ import time
 
 import torch
 
+from titan_thd.data.batch_meta import BatchMeta
 from titan_thd.data.packed_batch import PackedBatch
-from titan_thd.models.batch_meta import BatchMeta
 from titan_thd.models.dsv4 import build_dsv4, flavors
 from titan_thd.models.dsv4.attention import Attention
 from titan_thd.models.dsv4.plans import get_plan

@@ -36,10 +36,10 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from titan_thd.components.loss import cross_entropy_sum
+from titan_thd.data.batch_meta import BatchMeta
 from titan_thd.data.mock import mock_lengths
 from titan_thd.data.packed_batch import PackedBatch
 from titan_thd.data.packer import pack_microbatch, packer_throughput
-from titan_thd.models.batch_meta import BatchMeta
 from titan_thd.models.llama import build_llama, flavors
 
 VARIANTS = ("thd", "padded")

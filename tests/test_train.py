@@ -10,8 +10,8 @@ import torch.nn.functional as F
 
 from titan_thd.components.loss import cross_entropy_sum
 from titan_thd.config import load_config
+from titan_thd.data.batch_meta import BatchMeta
 from titan_thd.data.packed_batch import IGNORE_INDEX
-from titan_thd.models.batch_meta import BatchMeta
 from titan_thd.models.dsv4 import build_dsv4, export_hf, flavors
 from titan_thd.train import Trainer, attention_cost_weight
 

@@ -39,13 +39,13 @@ from titan_thd.components.optimizer import (
     default_matrix_params,
 )
 from titan_thd.config import Config, help_text, load_config, to_toml, validate
+from titan_thd.data.batch_meta import BatchMeta, CPContext
 from titan_thd.data.cp_partition import partition
 from titan_thd.data.dataloader import StepBatch, THDDataLoader, build_dataloader
 from titan_thd.data.packed_batch import PackedBatch
 from titan_thd.data.token_store import build_token_store
 from titan_thd.data.tokenizer import Tokenizer, build_tokenizer
 from titan_thd.models import get_model_args, get_model_spec
-from titan_thd.models.batch_meta import BatchMeta, CPContext
 from titan_thd.models.spec import ModelSpec, as_dtype, count_params
 from titan_thd.parallel import distributed as dist_utils
 from titan_thd.parallel.distributed import DistInfo

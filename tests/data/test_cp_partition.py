@@ -10,7 +10,7 @@ import torch
 
 from titan_thd.data.cp_partition import partition, zigzag_indices
 from titan_thd.data.packer import pack_microbatch
-from titan_thd.data.token_store import Sample
+from titan_thd.data.sample import Sample
 
 
 def batch_of(lengths, T, mult, seed=0):

@@ -7,7 +7,7 @@ import torch
 
 from titan_thd.data.packed_batch import IGNORE_INDEX
 from titan_thd.data.packer import pack_microbatch, packer_throughput
-from titan_thd.data.token_store import Sample
+from titan_thd.data.sample import Sample
 
 
 def sample(ids, targets):

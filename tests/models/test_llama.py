@@ -10,9 +10,9 @@ from tests._dist import spawn
 from tests.ops.test_varlen_attention import doc_rows, packed_meta
 from titan_thd.components.loss import cross_entropy_sum
 from titan_thd.config import Parallelism
+from titan_thd.data.batch_meta import BatchMeta
 from titan_thd.data.packed_batch import IGNORE_INDEX
 from titan_thd.models import get_model_spec
-from titan_thd.models.batch_meta import BatchMeta
 from titan_thd.models.llama import LlamaArgs, build_llama
 from titan_thd.models.llama.parallelize import parallelize_llama, tp_plan
 from titan_thd.models.spec import count_params

@@ -25,9 +25,9 @@ import torch.distributed as dist
 from tests._dist import spawn
 from tests.models.dsv4._util import doc_slices, packed
 from titan_thd.components.loss import cross_entropy_sum
+from titan_thd.data.batch_meta import BatchMeta, CPContext
 from titan_thd.data.cp_partition import partition
 from titan_thd.data.packed_batch import PackedBatch
-from titan_thd.models.batch_meta import BatchMeta, CPContext
 from titan_thd.models.llama import LlamaArgs, build_llama
 from titan_thd.ops.varlen_attention import dense_reference_attention, varlen_attention
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from tests.ops.test_varlen_attention import packed_positions, qkv
+from titan_thd.data.batch_meta import BatchMeta, CPContext
 from titan_thd.data.cp_partition import partition
-from titan_thd.models.batch_meta import BatchMeta, CPContext
 from titan_thd.ops.cp_attention import zigzag_attention, zigzag_plan
 from titan_thd.ops.varlen_attention import varlen_attention
 

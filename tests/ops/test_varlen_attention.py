@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
+from titan_thd.data.batch_meta import BatchMeta
 from titan_thd.data.packed_batch import PackedBatch
-from titan_thd.models.batch_meta import BatchMeta
 from titan_thd.ops.varlen_attention import dense_reference_attention, varlen_attention
 
 TOL = 1e-10

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from titan_thd.data.token_store import Sample
+from titan_thd.data.sample import Sample
 from titan_thd.data.tokenizer import BOS, END_OF_TURN, EOS, ROLE_TOKENS, Tokenizer
 
 

@@ -29,8 +29,8 @@ import pyarrow.parquet as pq
 from tqdm import tqdm
 
 from titan_thd.data.packer import padded_lengths
+from titan_thd.data.sample import Sample
 from titan_thd.data.sources import resolve_data_path
-from titan_thd.data.token_store import Sample
 
 FORMAT = "titan_thd-packed-v1"
 ALGORITHMS = ("first_fit_decreasing", "first_fit_shuffle")

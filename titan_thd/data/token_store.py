@@ -32,13 +32,14 @@ import shutil
 import sys
 import uuid
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
 
 import numpy as np
 
+from titan_thd.data.chat_template import encode_conversation, encode_text
 from titan_thd.data.mock import mock_lengths, mock_tokens
+from titan_thd.data.sample import Sample
 from titan_thd.data.sources import Record, read_records, resolve_data_path
 from titan_thd.data.tokenizer import Tokenizer
 
@@ -48,15 +49,6 @@ CACHE_VERSION = "titan_thd-tokens-v1"
 _ARRAYS = ("ids", "target_mask", "offsets", "num_targets")
 _CHUNK = 512  # records per tokenisation task
 _PARALLEL_MIN_BYTES = 16 << 20  # below this a worker pool costs more than it saves
-
-
-@dataclass
-class Sample:
-    input_ids: np.ndarray
-    """[L] int32 token ids."""
-    target_mask: np.ndarray
-    """[L] bool: True where token i is a trained target (predicting it from ids[:i] is trained);
-    target_mask[0] is always False."""
 
 
 class TokenStore:
@@ -298,9 +290,6 @@ def _init_worker(tokenizer: Tokenizer) -> None:
 
 
 def _encode_chunk(chunk: list[Record]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    # chat_template imports Sample from this module, hence the late import.
-    from titan_thd.data.chat_template import encode_conversation, encode_text
-
     tok = _worker_tokenizer
     assert tok is not None
     samples = []

@@ -31,8 +31,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from titan_thd.data.batch_meta import BatchMeta
 from titan_thd.data.cp_partition import zigzag_indices
-from titan_thd.models.batch_meta import BatchMeta
 from titan_thd.parallel.cp_comm import all_gather_rows
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from titan_thd.models.batch_meta import BatchMeta
+from titan_thd.data.batch_meta import BatchMeta
 
 
 def rope_cos_sin(

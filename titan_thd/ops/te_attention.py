@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from titan_thd.models.batch_meta import BatchMeta
+from titan_thd.data.batch_meta import BatchMeta
 
 
 def _import_te():

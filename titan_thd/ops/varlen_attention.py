@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from titan_thd.models.batch_meta import BatchMeta
+from titan_thd.data.batch_meta import BatchMeta
 from titan_thd.ops.cp_attention import zigzag_attention
 
 

@@ -6,8 +6,8 @@ import dataclasses
 
 import torch
 
+from titan_thd.data.batch_meta import BatchMeta
 from titan_thd.data.packed_batch import IGNORE_INDEX, PackedBatch
-from titan_thd.models.batch_meta import BatchMeta
 from titan_thd.models.dsv4 import DSv4Args, build_dsv4, flavors
 
 

@@ -19,8 +19,8 @@ import torch.distributed as dist
 from tests._dist import spawn
 from tests.models.dsv4._util import build, doc_slices, micro, packed
 from titan_thd.components.loss import cross_entropy_sum
+from titan_thd.data.batch_meta import BatchMeta, CPContext
 from titan_thd.data.cp_partition import partition
-from titan_thd.models.batch_meta import BatchMeta, CPContext
 
 # Rows: doc 0 [0, 6) real 5 (shorter than the window 8), doc 1 [6, 78) real 71, doc 2 [78, 92),
 # doc 3 [92, 114), tail padding [114, 128). Odd lengths + pad_to 2 misalign windows with the ranks.

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from tests.models.dsv4._util import build, doc_slices, meta, micro, packed, sub_batch
+from titan_thd.data.batch_meta import CPContext
 from titan_thd.data.packed_batch import IGNORE_INDEX
-from titan_thd.models.batch_meta import CPContext
 from titan_thd.models.dsv4 import DSv4Args, DSv4Model, flavors, spec
 from titan_thd.models.dsv4.flops import _capped_visible, _floor_sum, _window_keys
 from titan_thd.models.dsv4.mhc import HyperConnection, hc_post

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from titan_thd.models.batch_meta import BatchMeta
+from titan_thd.data.batch_meta import BatchMeta
 from titan_thd.models.dsv4.args import DSv4Args
 from titan_thd.models.dsv4.attention import Attention
 from titan_thd.models.dsv4.block import Block

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from titan_thd.models.batch_meta import BatchMeta
+from titan_thd.data.batch_meta import BatchMeta
 from titan_thd.models.dsv4.args import DSv4Args
 from titan_thd.models.dsv4.rope import cos_sin, inv_freq
 

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from titan_thd.models.batch_meta import BatchMeta
+from titan_thd.data.batch_meta import BatchMeta
 from titan_thd.models.llama.args import LlamaArgs
 from titan_thd.models.spec import ModelOutput, build_initialised
 from titan_thd.ops.rope import apply_rope, rope_tables

@@ -1,0 +1,214 @@
+"""No import cycles in titan_thd, between modules or between packages; scripts import no tests.
+
+The graph is read from the source with `ast`, not by importing anything. What counts as an edge:
+- every `import titan_thd...` / `from titan_thd... import ...` (relative imports resolved), at
+  module level or inside a function: a lazy import runs whenever its function does, so a cycle
+  through it is a cycle all the same (lazy imports must not be used to hide one);
+- `from pkg import name` is an edge to the module `pkg.name` when that is a module, else to `pkg`.
+What does not count:
+- imports under `if TYPE_CHECKING:` (never executed; annotations only);
+- third-party modules, including the optional extras imported lazily (transformer_engine,
+  transformers): they are outside the graph;
+- `importlib.import_module(...)` of a computed name (the model registry): not an import statement.
+Package level: every module maps to its unit, `titan_thd.<subpackage>` (data, models, ops,
+parallel, components; nested packages collapse into their top-level one) or the top-level module
+itself (`titan_thd.config`, `titan_thd.train`, `titan_thd`); edges inside a unit are dropped.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _modules(root: Path, package: str) -> dict[str, Path]:
+    out = {}
+    for path in sorted((root / package).rglob("*.py")):
+        parts = list(path.relative_to(root).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
+    """Every import statement of `tree`, at any depth, except those under `if TYPE_CHECKING:`."""
+    found: list[ast.Import | ast.ImportFrom] = []
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            found.append(node)
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and _is_type_checking(child):
+                for other in child.orelse:
+                    visit(other)
+                continue
+            visit(child)
+
+    visit(tree)
+    return found
+
+
+def import_graph(root: Path, package: str) -> dict[str, set[str]]:
+    """{module: modules of `package` it imports} for every module under root/package."""
+    modules = _modules(root, package)
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        is_pkg = path.name == "__init__.py"
+        edges: set[str] = set()
+        for node in _imports(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            else:
+                base = node.module or ""
+                if node.level:  # relative: from the module's package, level - 1 packages up
+                    anchor = name.split(".") if is_pkg else name.split(".")[:-1]
+                    anchor = anchor[: len(anchor) - (node.level - 1)]
+                    base = ".".join(anchor + ([base] if base else []))
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+            for target in targets:
+                # `import a.b.c` names a.b.c; keep the longest prefix that is one of our modules.
+                while target and target not in modules:
+                    target = target.rpartition(".")[0]
+                if target and target != name:
+                    edges.add(target)
+        graph[name] = edges
+    return graph
+
+
+def package_graph(graph: dict[str, set[str]], package: str) -> dict[str, set[str]]:
+    def unit(module: str) -> str:
+        parts = module.split(".")
+        return ".".join(parts[:2])  # titan_thd, titan_thd.config, titan_thd.data (for data.x.y too)
+
+    out: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        u = unit(module)
+        out.setdefault(u, set()).update(unit(t) for t in targets if unit(t) != u)
+    return out
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle (as a path a -> ... -> a) through every strongly connected component of size > 1."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[set[str]] = []
+
+    def strongconnect(v: str) -> None:  # Tarjan; the graphs are small, recursion is fine
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                strongconnect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.add(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                components.append(comp)
+
+    for v in sorted(graph):
+        if v not in index:
+            strongconnect(v)
+
+    def path_back(start: str, comp: set[str]) -> list[str]:
+        # Breadth-first inside the component from start back to start: a shortest cycle.
+        prev: dict[str, str] = {}
+        frontier = [start]
+        while frontier:
+            nxt = []
+            for v in frontier:
+                for w in sorted(graph[v] & comp):
+                    if w == start:
+                        path = [v]
+                        while path[-1] != start:
+                            path.append(prev[path[-1]])
+                        return [*reversed(path), start]
+                    if w not in prev:
+                        prev[w] = v
+                        nxt.append(w)
+            frontier = nxt
+        raise AssertionError("a strongly connected component has a cycle")
+
+    return [path_back(min(comp), comp) for comp in components]
+
+
+def _fmt(found: list[list[str]]) -> str:
+    return "\n".join(" -> ".join(c) for c in found)
+
+
+def test_no_module_cycles():
+    found = cycles(import_graph(ROOT, "titan_thd"))
+    assert not found, f"import cycles between modules:\n{_fmt(found)}"
+
+
+def test_no_package_cycles():
+    graph = package_graph(import_graph(ROOT, "titan_thd"), "titan_thd")
+    # The graph reads what it should: the five packages and the top-level modules are its nodes.
+    for unit in ("data", "models", "ops", "parallel", "components", "config", "train"):
+        assert f"titan_thd.{unit}" in graph
+    assert "titan_thd.data" in graph["titan_thd.ops"]  # ops read BatchMeta
+    found = cycles(graph)
+    assert not found, f"import cycles between packages:\n{_fmt(found)}"
+
+
+def test_scripts_import_only_the_package():
+    offenders = []
+    for path in sorted((ROOT / "scripts").glob("*.py")):
+        for node in _imports(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            offenders += [f"{path.name}: {n}" for n in names if n == "tests" or n.startswith("tests.")]
+    assert not offenders, "scripts import from tests/ (move the helper into titan_thd):\n" + "\n".join(offenders)
+
+
+def _write(root: Path, files: dict[str, str]) -> None:
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+def test_checker_finds_cycles(tmp_path):
+    _write(
+        tmp_path,
+        {
+            "pkg/__init__.py": "",
+            "pkg/a/__init__.py": "",
+            "pkg/a/x.py": "from pkg.a import y\n",  # module cycle x -> y -> x, y's side lazy
+            "pkg/a/y.py": "def f():\n    from pkg.a.x import g\n",
+            "pkg/a/z.py": "from pkg.b.w import h\n",  # package cycle a -> b -> a, no module cycle
+            "pkg/b/__init__.py": "",
+            "pkg/b/w.py": "from ..a import x\n",
+            "pkg/b/v.py": (
+                "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.a.z import q\n"
+                "import transformers\n"
+            ),
+        },
+    )
+    graph = import_graph(tmp_path, "pkg")
+    assert graph["pkg.a.x"] == {"pkg.a.y"} and graph["pkg.a.y"] == {"pkg.a.x"}
+    assert graph["pkg.b.w"] == {"pkg.a.x"}  # relative import resolved
+    assert graph["pkg.b.v"] == set()  # TYPE_CHECKING and third-party imports are no edges
+    assert cycles(graph) == [["pkg.a.x", "pkg.a.y", "pkg.a.x"]]
+    assert cycles(package_graph(graph, "pkg")) == [["pkg.a", "pkg.b", "pkg.a"]]
+    graph["pkg.a.y"].clear()
+    assert cycles(graph) == []
