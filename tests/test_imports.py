@@ -177,7 +177,9 @@ def test_scripts_import_only_the_package():
         for node in _imports(ast.parse(path.read_text())):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
             offenders += [f"{path.name}: {n}" for n in names if n == "tests" or n.startswith("tests.")]
-    assert not offenders, "scripts import from tests/ (move the helper into titan_thd):\n" + "\n".join(offenders)
+    assert not offenders, "scripts import from tests/ (move the helper into titan_thd):\n" + "\n".join(
+        offenders
+    )
 
 
 def _write(root: Path, files: dict[str, str]) -> None:

@@ -101,7 +101,7 @@ class Trainer:
                 f"parallelism.context_parallel_mode = {p.context_parallel_mode}: model {cfg.model.name} "
                 f"computes only {', '.join(self.spec.cp_modes)} exactly"
             )
-        init_from_hf = self.spec.hooks.get("init_from_hf")
+        init_from_hf = self.spec.init_from_hf
         if cfg.model.hf_path and init_from_hf is None:
             raise ValueError(
                 f"model.hf_path = {cfg.model.hf_path!r}: model {cfg.model.name} cannot be initialised from a "
@@ -255,7 +255,7 @@ class Trainer:
         lr = self.lr_schedulers.current_lr
         self.optimizers.step()
         self.lr_schedulers.step()
-        after_step = self.spec.hooks.get("after_optimizer_step")
+        after_step = self.spec.after_optimizer_step
         loss_mesh = self.parallel_dims.get_optional_mesh("loss")
         if after_step is not None:
             after_step(self.model, None if loss_mesh is None else loss_mesh.get_group())

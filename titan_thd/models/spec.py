@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import nn
+from torch.distributed import ProcessGroup
 
 
 class ModelOutput(NamedTuple):
@@ -31,7 +32,7 @@ class ModelOutput(NamedTuple):
     """Extra loss terms as sums over this rank's rows (coefficients applied)."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelSpec:
     name: str
     flavors: dict[str, Any]
@@ -49,8 +50,13 @@ class ModelSpec:
     matrix_params: Callable[[nn.Module], list[str]] | None = None
     """Names of parameters that Muon updates (the rest go to AdamW); None = every 2-D weight except
     embeddings and the LM head."""
-    hooks: dict[str, Callable[..., Any]] = field(default_factory=dict)
-    """Optional trainer hooks, e.g. "after_optimizer_step": (model, reduce_group) -> None."""
+    # Optional trainer hooks: typed fields, so a misspelt hook is a TypeError when the spec is built.
+    init_from_hf: Callable[[nn.Module, str], None] | None = None
+    """(model, model.hf_path) -> None: load a Hugging Face checkpoint into the built full-weight model
+    (before sharding); ValueError on an architecture mismatch. None = model.hf_path is refused."""
+    after_optimizer_step: Callable[[nn.Module, ProcessGroup | None], None] | None = None
+    """(model, loss_group) -> None after every optimizer step; loss_group is the dp x cp group that
+    sums the step's token losses (None on one rank), e.g. dsv4's router-bias update."""
 
 
 def build_initialised(make: Callable[[], nn.Module]) -> nn.Module:

@@ -32,13 +32,13 @@ def _fsdp_vs_one_process(rank: int, world_size: int) -> tuple[float, float]:
     reference = build_dsv4(micro()).double().train()
     for r in range(world_size):
         _loss(reference, r).backward()
-    spec.hooks["after_optimizer_step"](reference, None)
+    spec.after_optimizer_step(reference, None)
     dims = ParallelDims(pp=1, dp_shard=-1, cp=1, tp=1, world_size=world_size)
     dims.build_meshes("cpu")
     torch.manual_seed(0)
     model = parallelize_dsv4(build_dsv4(micro()).double(), dims, Parallelism()).train()
     _loss(model, rank).backward()
-    spec.hooks["after_optimizer_step"](model, dims.get_optional_mesh("loss").get_group())
+    spec.after_optimizer_step(model, dims.get_optional_mesh("loss").get_group())
     ref = dict(reference.named_parameters())
     grad_err = 0.0
     for n, p in model.named_parameters():

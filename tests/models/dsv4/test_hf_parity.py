@@ -221,9 +221,9 @@ def test_init_from_hf_hook_loads_into_a_built_model(hf_dir, ours):
 
     model, args = ours
     fresh = build_dsv4(args)
-    spec.hooks["init_from_hf"](fresh, hf_dir[0])
+    spec.init_from_hf(fresh, hf_dir[0])
     for k, v in model.state_dict().items():
         if not k.startswith("mtp."):
             assert torch.equal(fresh.state_dict()[k], v), k
     with pytest.raises(ValueError, match="does not match the given args: dim: checkpoint 64 vs 128"):
-        spec.hooks["init_from_hf"](build_dsv4(dataclasses.replace(args, dim=128)), hf_dir[0])
+        spec.init_from_hf(build_dsv4(dataclasses.replace(args, dim=128)), hf_dir[0])

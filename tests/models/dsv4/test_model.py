@@ -233,7 +233,7 @@ def test_bias_update_counts_real_tokens_only_and_moves_towards_balance():
     gate = gates[0]
     gate.load.copy_(torch.tensor([5.0, 1.0, 3.0, 3.0]))
     before = gate.bias.clone()
-    spec.hooks["after_optimizer_step"](model, None)
+    spec.after_optimizer_step(model, None)
     rate = args.router_bias_update_rate
     torch.testing.assert_close(gate.bias - before, torch.tensor([-rate, rate, 0.0, 0.0], dtype=before.dtype))
     assert all(g.load.sum() == 0 for g in gates)

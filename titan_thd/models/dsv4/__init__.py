@@ -44,8 +44,8 @@ spec = ModelSpec(
     cp_modes=("contiguous",),
     min_tokens_per_cp_rank=lambda args: args.halo,
     matrix_params=matrix_params,
-    # "init_from_hf": (model, path) -> None loads model.hf_path into the built model (before sharding).
-    hooks={"after_optimizer_step": update_router_bias, "init_from_hf": load_hf_into},
+    init_from_hf=load_hf_into,
+    after_optimizer_step=update_router_bias,
 )
 
 __all__ = [
