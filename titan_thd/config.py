@@ -21,6 +21,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from titan_thd.parallel.context_parallel import CONFIG_CHOICES as CP_CONFIG_CHOICES
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
@@ -163,8 +165,9 @@ class Parallelism:
     """FSDP degree; -1 = the processes left after the other degrees."""
     context_parallel_degree: int = 1
     """Ranks that split one microbatch's tokens."""
-    context_parallel_mode: str = "zigzag"
-    """`zigzag` (dense causal attention) or `contiguous` (required by dsv4)."""
+    context_parallel_mode: str = "auto"
+    """`auto` (the model's mode: llama zigzag, dsv4 contiguous), `zigzag` or `contiguous`; another mode
+    than the model's is refused."""
     tensor_parallel_degree: int = 1
     """Ranks that split attention heads and MLP columns."""
     pipeline_parallel_degree: int = 1
@@ -232,7 +235,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "optimizer.name": ("adamw", "muon"),
     "optimizer.muon_ns_dtype": ("auto", "bfloat16", "float32", "float64"),
     "lr_scheduler.decay": ("cosine", "linear", "none"),
-    "parallelism.context_parallel_mode": ("zigzag", "contiguous"),
+    "parallelism.context_parallel_mode": CP_CONFIG_CHOICES,
     "parallelism.pipeline_parallel_schedule": ("1F1B", "GPipe", "Interleaved1F1B"),
     "comm.mode": ("default", "fake"),
 }
@@ -453,25 +456,8 @@ def validate(cfg: Config) -> None:
             f"training.tokens_per_microbatch = {t.tokens_per_microbatch} is not a multiple of "
             f"data.pad_to_multiple = {cfg.data.pad_to_multiple}"
         )
-    cp = p.context_parallel_degree
-    if cp > 1:
-        need = 2 * cp if p.context_parallel_mode == "zigzag" else cp
-        if t.tokens_per_microbatch % need:
-            smallest = ((t.tokens_per_microbatch + need - 1) // need) * need
-            raise ValueError(
-                f"training.tokens_per_microbatch = {t.tokens_per_microbatch} is not divisible by {need} "
-                f"({p.context_parallel_mode} CP with degree {cp}); the smallest valid value above it is {smallest}"
-            )
-        if p.context_parallel_mode == "zigzag" and cfg.data.pad_to_multiple % (2 * cp):
-            raise ValueError(
-                f"zigzag CP with degree {cp} cuts every document into {2 * cp} chunks: "
-                f"data.pad_to_multiple = {cfg.data.pad_to_multiple} must be a multiple of {2 * cp}"
-            )
-    if cfg.model.name == "dsv4" and cp > 1 and p.context_parallel_mode != "contiguous":
-        raise ValueError(
-            "model.name = dsv4 needs parallelism.context_parallel_mode = contiguous: its sliding window and "
-            "compressors need a contiguous left context from one neighbour (zigzag would silently be wrong)"
-        )
+    # The context-parallel rules need the model's CP mode: the Trainer checks them
+    # (titan_thd.parallel.context_parallel.validate_context_parallel), still before any process group.
     if cfg.data.source in ("jsonl", "parquet", "packed") and not cfg.data.path:
         raise ValueError(f"data.source = {cfg.data.source} needs data.path")
 

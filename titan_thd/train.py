@@ -48,6 +48,7 @@ from titan_thd.data.tokenizer import Tokenizer, build_tokenizer
 from titan_thd.models import get_model_args, get_model_spec
 from titan_thd.models.spec import ModelSpec, as_dtype, count_params
 from titan_thd.parallel import distributed as dist_utils
+from titan_thd.parallel.context_parallel import validate_context_parallel
 from titan_thd.parallel.distributed import DistInfo
 from titan_thd.parallel.fsdp import (
     build_on_meta,
@@ -96,11 +97,6 @@ class Trainer:
         validate(cfg)
         self.spec = get_model_spec(cfg.model.name)
         flavor_args = get_model_args(cfg.model.name, cfg.model.flavor)
-        if p.context_parallel_degree > 1 and p.context_parallel_mode not in self.spec.cp_modes:
-            raise ValueError(
-                f"parallelism.context_parallel_mode = {p.context_parallel_mode}: model {cfg.model.name} "
-                f"computes only {', '.join(self.spec.cp_modes)} exactly"
-            )
         init_from_hf = self.spec.init_from_hf
         if cfg.model.hf_path and init_from_hf is None:
             raise ValueError(
@@ -118,14 +114,15 @@ class Trainer:
         else:  # a multiple of 64 rows (matmul-friendly; the extra ids are never seen)
             vocab_size = -(-self.tokenizer.vocab_size // 64) * 64
         self.model_args = dataclasses.replace(flavor_args, vocab_size=vocab_size, **model_overrides)
-        local_T = t.tokens_per_microbatch // p.context_parallel_degree
-        min_local_T = self.spec.min_tokens_per_cp_rank(self.model_args)
-        if local_T < min_local_T:
-            raise ValueError(
-                f"training.tokens_per_microbatch = {t.tokens_per_microbatch} / context_parallel_degree = "
-                f"{p.context_parallel_degree} leaves {local_T} tokens per CP rank; model {cfg.model.name} "
-                f"{cfg.model.flavor} needs at least {min_local_T}"
-            )
+        cp_mode = validate_context_parallel(
+            degree=p.context_parallel_degree,
+            configured_mode=p.context_parallel_mode,
+            model=f"{cfg.model.name} {cfg.model.flavor}",
+            model_mode=self.spec.cp_mode,
+            tokens_per_microbatch=t.tokens_per_microbatch,
+            pad_to_multiple=cfg.data.pad_to_multiple,
+            min_tokens_per_rank=self.spec.min_tokens_per_cp_rank(self.model_args),
+        )
         fake = cfg.comm.mode == "fake"
         world_size = int(os.environ.get("NGPU" if fake else "WORLD_SIZE", "1"))
         self.parallel_dims = ParallelDims.from_config(p, world_size)
@@ -140,7 +137,7 @@ class Trainer:
             size=self.parallel_dims.cp,
             rank=self.parallel_dims.mesh_rank("cp"),
             group=None if cp_mesh is None else cp_mesh.get_group(),
-            mode=p.context_parallel_mode,
+            mode=cp_mode,
         )
 
         store = None  # offline-packed rows (data.source = packed) are read by the dataloader itself
@@ -369,7 +366,7 @@ class Trainer:
             " (fake process group)" if self.dist.fake else "",
             d.dp,
             d.cp,
-            c.parallelism.context_parallel_mode,
+            self.cp.mode,
             d.tp,
             d.pp,
         )

@@ -10,7 +10,7 @@ from titan_thd.components.optimizer import build_optimizers, clip_grad_norm_, de
 from titan_thd.config import Optimizer
 from titan_thd.models.spec import ModelSpec
 
-SPEC = ModelSpec(name="toy", flavors={}, build=None, flops_per_step=None)
+SPEC = ModelSpec(name="toy", flavors={}, build=None, flops_per_step=None, cp_mode="zigzag")
 
 
 class TinyLM(nn.Module):
@@ -86,7 +86,12 @@ def test_unused_parameter_steps_with_a_zero_gradient(name):
 
 def test_matrix_params_must_be_2d():
     spec = ModelSpec(
-        name="toy", flavors={}, build=None, flops_per_step=None, matrix_params=lambda m: ["proj.bias"]
+        name="toy",
+        flavors={},
+        build=None,
+        flops_per_step=None,
+        cp_mode="zigzag",
+        matrix_params=lambda m: ["proj.bias"],
     )
     with pytest.raises(ValueError, match=r"Muon needs 2-D parameters.*proj\.bias"):
         build_optimizers([TinyLM()], Optimizer(name="muon"), spec)

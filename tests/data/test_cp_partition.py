@@ -105,7 +105,10 @@ def test_pass_through():
 
 def test_errors():
     b17 = batch_of([5, 9, 3], T=17, mult=1)
-    with pytest.raises(ValueError, match=r"divisible by 2, got T = 17 .*smallest valid T >= 17: 18"):
+    with pytest.raises(
+        ValueError,
+        match=r"T .* = 17 is not divisible by 2 \(contiguous CP .*smallest valid value above it is 18",
+    ):
         partition(b17, 2, 0, "contiguous")
     b = batch_of([5, 9, 3], T=24, mult=2)  # padded 6, 10, 4, tail 4: document 0 is not a multiple of 4
     with pytest.raises(ValueError, match=r"document 0 has padded length 6 \(not a multiple of 4"):
@@ -115,5 +118,5 @@ def test_errors():
         partition(partition(good, 2, 0, "zigzag"), 2, 0, "zigzag")
     with pytest.raises(ValueError, match="cp_rank 2 is outside 0..1"):
         partition(good, 2, 2, "zigzag")
-    with pytest.raises(ValueError, match="context_parallel_mode"):
+    with pytest.raises(ValueError, match="context parallel mode: got 'ring'"):
         partition(good, 2, 0, "ring")

@@ -11,9 +11,16 @@ from titan_thd.models.spec import ModelSpec
 
 def test_misspelt_hook_is_a_type_error():
     with pytest.raises(TypeError, match="after_optimizer_stp"):
-        ModelSpec(name="toy", flavors={}, build=None, flops_per_step=None, after_optimizer_stp=print)
+        ModelSpec(
+            name="toy",
+            flavors={},
+            build=None,
+            flops_per_step=None,
+            cp_mode="zigzag",
+            after_optimizer_stp=print,
+        )
     with pytest.raises(TypeError, match="hooks"):  # the old string-keyed dict is gone
-        ModelSpec(name="toy", flavors={}, build=None, flops_per_step=None, hooks={})
+        ModelSpec(name="toy", flavors={}, build=None, flops_per_step=None, cp_mode="zigzag", hooks={})
 
 
 def test_specs_hooks():

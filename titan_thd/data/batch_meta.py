@@ -22,8 +22,7 @@ import torch
 import torch.distributed as dist
 
 from titan_thd.data.packed_batch import PackedBatch
-
-CP_MODES = ("zigzag", "contiguous")
+from titan_thd.parallel.context_parallel import CP_MODES, CPMode
 
 
 @dataclass(frozen=True)
@@ -33,7 +32,7 @@ class CPContext:
     size: int = 1
     rank: int = 0
     group: dist.ProcessGroup | None = None
-    mode: str = "contiguous"
+    mode: CPMode = "contiguous"
 
     def __post_init__(self):
         assert self.mode in CP_MODES, self.mode

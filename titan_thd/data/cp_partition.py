@@ -19,8 +19,7 @@ from dataclasses import replace
 import torch
 
 from titan_thd.data.packed_batch import TOKEN_FIELDS, PackedBatch
-
-MODES = ("zigzag", "contiguous")
+from titan_thd.parallel.context_parallel import CP_MODES, CPMode, check_layout
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -52,12 +51,10 @@ def zigzag_indices(cu_seqlens_padded: torch.Tensor, cp_size: int, cp_rank: int) 
     return torch.repeat_interleave(start_C - local_start_C, size_C, output_size=t) + torch.arange(t)
 
 
-def partition(batch: PackedBatch, cp_size: int, cp_rank: int, mode: str) -> PackedBatch:
+def partition(batch: PackedBatch, cp_size: int, cp_rank: int, mode: CPMode) -> PackedBatch:
     """This CP rank's share of `batch`; the batch itself when cp_size == 1 or it holds no tokens."""
-    if mode not in MODES:
-        raise ValueError(
-            f"parallelism.context_parallel_mode: got {mode!r}, expected one of {', '.join(MODES)}"
-        )
+    if mode not in CP_MODES:
+        raise ValueError(f"context parallel mode: got {mode!r}, expected one of {', '.join(CP_MODES)}")
     if not 0 <= cp_rank < cp_size:
         raise ValueError(f"cp_rank {cp_rank} is outside 0..{cp_size - 1}")
     if cp_size == 1 or all(getattr(batch, f) is None for f in TOKEN_FIELDS):
@@ -68,11 +65,7 @@ def partition(batch: PackedBatch, cp_size: int, cp_rank: int, mode: str) -> Pack
     if mode == "zigzag":
         rows_t = zigzag_indices(batch.cu_seqlens_padded, cp_size, cp_rank)
     else:
-        if T % cp_size:
-            raise ValueError(
-                f"contiguous CP with cp = {cp_size} needs T divisible by {cp_size}, got T = {T} "
-                f"(training.tokens_per_microbatch; smallest valid T >= {T}: {_round_up(T, cp_size)})"
-            )
+        check_layout(cp=cp_size, mode=mode, T=T, where="T (training.tokens_per_microbatch)")
         local = T // cp_size
         rows_t = torch.arange(cp_rank * local, (cp_rank + 1) * local)
     local_tensors = {

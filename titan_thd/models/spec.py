@@ -24,6 +24,8 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from titan_thd.parallel.context_parallel import CPMode
+
 
 class ModelOutput(NamedTuple):
     logits: torch.Tensor
@@ -41,10 +43,12 @@ class ModelSpec:
     """args -> model with initialised full weights (call under a seeded RNG)."""
     flops_per_step: Callable[[Any, Sequence[int]], float]
     """(args, real document lengths of a step) -> forward+backward FLOPs of those documents."""
+    cp_mode: CPMode
+    """The context-parallel split the model computes exactly (parallelism.context_parallel_mode = auto
+    follows it; another mode is refused): see titan_thd/parallel/context_parallel.py."""
     parallelize: Callable[..., nn.Module] | None = None
-    """(model, parallel_dims, parallelism_config) -> model; applies TP / CP / FSDP in a fixed order."""
-    cp_modes: tuple[str, ...] = ("zigzag", "contiguous")
-    """Context-parallel modes the model computes exactly."""
+    """(model, parallel_dims, parallelism_config) -> model; applies TP, then FSDP (CP needs no
+    wrapping: the layers read BatchMeta.cp)."""
     min_tokens_per_cp_rank: Callable[[Any], int] = field(default=lambda args: 1)
     """Smallest local shard (T / cp) the model supports, e.g. its CP halo width."""
     matrix_params: Callable[[nn.Module], list[str]] | None = None

@@ -16,13 +16,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from titan_thd.config import Comm
+if TYPE_CHECKING:  # annotations only: config imports parallel.context_parallel
+    from titan_thd.config import Comm
 
 Number = TypeVar("Number", torch.Tensor, float, int)
 

@@ -28,11 +28,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from titan_thd.config import Parallelism
+if TYPE_CHECKING:  # annotations only: config imports parallel.context_parallel
+    from titan_thd.config import Parallelism
 
 MESH_AXES = ("pp", "dp", "cp", "tp")
 """Axes of the world mesh, outermost (slowest-varying rank index) first."""

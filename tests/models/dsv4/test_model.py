@@ -260,17 +260,21 @@ def test_metadata_errors():
         model(tokens, bad)
     small = meta(batch)
     small.cp = CPContext(size=4, rank=0, group=object(), mode="contiguous")
-    with pytest.raises(ValueError, match=r"at least 16 tokens per rank .* got T = 32 / cp 4 = 8"):
+    with pytest.raises(
+        ValueError, match=r"T = 32 / context_parallel_degree = 4 leaves 8 tokens .* at least 16"
+    ):
         model(tokens, small)
     odd = meta(batch)
     odd.cp = CPContext(size=3, rank=0, group=object(), mode="contiguous")
     with pytest.raises(
-        ValueError, match=r"T divisible by cp; got T = 32, cp 3 \(smallest valid T >= 32: 33\)"
+        ValueError, match=r"T = 32 is not divisible by 3 .*smallest valid value above it is 33"
     ):
         model(tokens, odd)
     zigzag = meta(batch)
     zigzag.cp = CPContext(size=2, rank=0, group=object(), mode="zigzag")
-    with pytest.raises(ValueError, match="mode 'zigzag' is not supported.*contiguous"):
+    with pytest.raises(
+        ValueError, match="context_parallel_mode = zigzag: model dsv4 computes only contiguous"
+    ):
         model(tokens, zigzag)
     unsplit = meta(batch)  # a CP context but the whole microbatch's rows
     unsplit.cp = CPContext(size=2, rank=1, group=object(), mode="contiguous")
@@ -289,7 +293,7 @@ def layer_params(args: DSv4Args) -> dict[str, int]:
 def test_flavors_and_flash_dimensions():
     assert abs(count_params(spec.build(flavors["micro"])) - 1.27e6) < 0.1e6
     flash = flavors["flash"]
-    assert spec.cp_modes == ("contiguous",) and spec.min_tokens_per_cp_rank(flash) == 128
+    assert spec.cp_mode == "contiguous" and spec.min_tokens_per_cp_rank(flash) == 128
     per_layer = layer_params(flash)
     main = sum(per_layer[t] for t in flash.layer_types) + 2 * flash.vocab_size * flash.dim
     assert 280e9 < main < 290e9, main  # "~284B total" (docs/dsv4.md §1.1), MTP excluded

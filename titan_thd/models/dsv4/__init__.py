@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from titan_thd.models.dsv4.args import DSv4Args, flavors
+from titan_thd.models.dsv4.args import CP_MODE, DSv4Args, flavors
 from titan_thd.models.dsv4.flops import flops_per_step
 from titan_thd.models.dsv4.hf_interop import export_hf, load_hf, load_hf_into
 from titan_thd.models.dsv4.model import DSv4Model, build_dsv4
@@ -39,9 +39,8 @@ spec = ModelSpec(
     flavors=flavors,
     build=build_dsv4,
     flops_per_step=flops_per_step,
+    cp_mode=CP_MODE,
     parallelize=parallelize_dsv4,
-    # Windows and compressors need a contiguous left context from one neighbour (docs/dsv4.md §9.1).
-    cp_modes=("contiguous",),
     min_tokens_per_cp_rank=lambda args: args.halo,
     matrix_params=matrix_params,
     init_from_hf=load_hf_into,

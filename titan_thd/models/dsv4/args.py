@@ -10,8 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from titan_thd.parallel.context_parallel import CPMode
+
 LAYER_TYPES = ("sliding", "csa", "hca")
 INDEXER_LOSS_MODES = ("dense", "sparse")
+CP_MODE: CPMode = "contiguous"
+"""Windows and compressors need a contiguous left context from one neighbour (docs/dsv4.md §9.1)."""
 
 
 @dataclass

@@ -35,8 +35,9 @@ import torch
 import torch.distributed as dist
 
 from titan_thd.data.batch_meta import BatchMeta
-from titan_thd.models.dsv4.args import DSv4Args
+from titan_thd.models.dsv4.args import CP_MODE, DSv4Args
 from titan_thd.models.dsv4.rope import cos_sin, inv_freq
+from titan_thd.parallel.context_parallel import check_layout, resolve_mode
 
 CosSin = tuple[torch.Tensor, torch.Tensor]
 
@@ -121,24 +122,18 @@ def _local_rows(meta: BatchMeta, args: DSv4Args, T_full: int) -> tuple[int, int,
                 f"dsv4: meta has {meta.local_tokens} position_ids but cu_seqlens_padded[-1] = {T_full}"
             )
         return 0, T_full, 0
-    if cp.mode != "contiguous":
-        raise ValueError(
-            f"dsv4: context parallel mode {cp.mode!r} is not supported; the sliding window and the "
-            "compressors need a contiguous left context from one neighbour (docs/dsv4.md §9.1): set "
-            "parallelism.context_parallel_mode = 'contiguous'"
-        )
-    if T_full % cp.size:
-        raise ValueError(
-            f"dsv4: contiguous CP needs T divisible by cp; got T = {T_full}, cp {cp.size} (smallest valid "
-            f"T >= {T_full}: {-(-T_full // cp.size) * cp.size})"
-        )
+    # The Trainer checked these rules at start-up; a hand-built meta meets the same ones here.
+    resolve_mode(cp.mode, "dsv4", CP_MODE)
+    check_layout(
+        cp=cp.size,
+        mode=CP_MODE,
+        T=T_full,
+        min_tokens_per_rank=args.halo,
+        where="dsv4: T",
+        model="dsv4",
+        why=f" (its halo: window {args.window}, CSA 2*m = {2 * args.csa_ratio}, HCA m' = {args.hca_ratio})",
+    )
     local = T_full // cp.size
-    if local < args.halo:
-        raise ValueError(
-            f"dsv4: context parallelism needs at least {args.halo} tokens per rank (window "
-            f"{args.window}, CSA 2*m = {2 * args.csa_ratio}, HCA m' = {args.hca_ratio}); got "
-            f"T = {T_full} / cp {cp.size} = {local}"
-        )
     lo, hi = cp.rank * local, (cp.rank + 1) * local
     if meta.row_index is None or not torch.equal(meta.row_index.cpu(), torch.arange(lo, hi)):
         raise ValueError(

@@ -10,9 +10,9 @@ spec = ModelSpec(
     flavors=flavors,
     build=build_llama,
     flops_per_step=flops_per_step,
-    parallelize=parallelize_llama,
     # Only the zigzag split balances causal attention (titan_thd.ops.cp_attention).
-    cp_modes=("zigzag",),
+    cp_mode="zigzag",
+    parallelize=parallelize_llama,
 )
 
 __all__ = ["Llama", "LlamaArgs", "build_llama", "flavors", "flops_per_step", "parallelize_llama", "spec"]

@@ -20,7 +20,8 @@ from titan_thd.parallel.parallel_dims import ParallelDims
 def parallelize_llama(model: Llama, parallel_dims: ParallelDims, parallelism_cfg: Parallelism) -> Llama:
     """Apply the parallelisms of `parallel_dims` (the degrees in `parallelism_cfg` are already in it)."""
     apply_tp(model, parallel_dims)
-    apply_cp(model, parallel_dims)
+    # Context parallelism needs no wrapping: the attention op reads the CP group, rank and mode
+    # from BatchMeta.cp (titan_thd/parallel/context_parallel.py).
     apply_fsdp(model, parallel_dims)
     return model
 
@@ -64,10 +65,6 @@ def apply_tp(model: Llama, parallel_dims: ParallelDims) -> None:
             f"parallelism.tensor_parallel_degree = {parallel_dims.tp}: tensor parallelism for llama "
             "is added by the TP issue (the plan is `tp_plan`); use 1"
         )
-
-
-def apply_cp(model: Llama, parallel_dims: ParallelDims) -> None:
-    """Nothing to wrap: the attention op reads the CP group, rank and mode from `BatchMeta.cp`."""
 
 
 def apply_fsdp(model: Llama, parallel_dims: ParallelDims) -> None:
