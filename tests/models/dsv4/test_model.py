@@ -134,19 +134,11 @@ def test_indexer_kl_is_zero_when_student_equals_teacher():
     lse = torch.cat([lw, lc, sink[None, :, None].expand(T, H, 1)], -1).logsumexp(-1, keepdim=True)
     teacher = (lc - lse).exp().sum(1)
     exact = teacher.log().masked_fill(cand < 0, -torch.inf)
-    kl0 = indexer_kl(q, kv, comp, sink, window, cand, exact, real, 0.5, chunk=4)
-    kl1 = indexer_kl(
-        q,
-        kv,
-        comp,
-        sink,
-        window,
-        cand,
-        torch.randn(T, 3, generator=g, dtype=torch.float64).masked_fill(cand < 0, -torch.inf),
-        real,
-        0.5,
-        chunk=4,
-    )
+    common = {"q_THD": q, "kv_RD": kv, "comp_CD": comp, "sink_H": sink, "window_TW": window, "cand_TK": cand}
+    common |= {"row_ok_T": real, "scale": 0.5, "chunk": 4}
+    kl0 = indexer_kl(student_TK=exact, **common)
+    random_TK = torch.randn(T, 3, generator=g, dtype=torch.float64).masked_fill(cand < 0, -torch.inf)
+    kl1 = indexer_kl(student_TK=random_TK, **common)
     assert abs(kl0.item()) < 1e-12 and kl1.item() > 1e-3
 
 

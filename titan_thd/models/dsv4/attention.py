@@ -26,7 +26,7 @@ from titan_thd.models.dsv4.compressor import Compressor
 from titan_thd.models.dsv4.context_parallel import gather_entries, with_left_halo
 from titan_thd.models.dsv4.indexer import Indexer, indexer_kl
 from titan_thd.models.dsv4.norm import RMSNorm, rms_norm
-from titan_thd.models.dsv4.plans import BatchPlan
+from titan_thd.models.dsv4.plans import BatchPlan, CosSin
 from titan_thd.models.dsv4.rope import apply_rope
 from titan_thd.models.dsv4.sparse_attention import sparse_mqa
 
@@ -62,45 +62,54 @@ class Attention(nn.Module):
         T, H, D = x_TD.shape[0], self.n_heads, self.head_dim
         rope_k, rope_q = plan.rope(self.layer_type)
         x_RD = with_left_halo(x_TD, plan)
-        R = x_RD.shape[0]
         cq_TQ = self.q_norm(self.wq_a(x_TD))
         q_THD = apply_rope(rms_norm(self.wq_b(cq_TQ).view(T, H, D), self.eps).to(x_TD.dtype), *rope_q)
         kv_RD = apply_rope(self.kv_norm(self.wkv(x_RD)), *rope_k)
+        if self.compressor is None:  # sliding: the window keys only
+            return self._attend(q_THD, kv_RD, plan.window_TW, rope_q), None
 
-        idx_TK, kv_SD = plan.window_TW, kv_RD
-        if self.compressor is not None:
-            cplan = plan.compress[self.layer_type]
-            comp_CD = gather_entries(self.compressor(x_RD, cplan), cplan, plan.group)
-            kv_SD = torch.cat([kv_RD, comp_CD])
-            if self.indexer is None:
-                entries_TE = cplan.visible_all()
-            else:
-                q_I, w_I, k_I = self.indexer(x_RD.detach(), cq_TQ.detach(), plan, rope_q)
-                entries_TE = self.indexer.select(q_I, w_I, k_I, cplan)
-            # Compressed entries sit after the R key rows in the key buffer.
-            idx_TK = torch.cat([idx_TK, torch.where(entries_TE >= 0, entries_TE + R, -1)], dim=1)
+        cplan = plan.compress[self.layer_type]
+        comp_CD = gather_entries(self.compressor(x_RD, cplan), cplan, plan.group)
+        kv_SD = torch.cat([kv_RD, comp_CD])
+        if self.indexer is None:  # HCA: every visible entry of the query's document
+            idx_TK = _with_entries(plan.window_TW, cplan.visible_all(), kv_RD.shape[0])
+            return self._attend(q_THD, kv_SD, idx_TK, rope_q), None
 
-        o_THD, _ = sparse_mqa(q_THD, kv_SD, idx_TK, self.attn_sink, D**-0.5, self.chunk)
-        o_THD = apply_rope(o_THD, *rope_q, inverse=True)
-        G = self.o_groups
-        wo_a_GOI = self.wo_a.weight.view(G, -1, H * D // G)
-        o_TGO = torch.einsum("tgi,goi->tgo", o_THD.reshape(T, G, -1), wo_a_GOI)
-        out_TD = self.wo_b(o_TGO.flatten(1))
-
-        if self.indexer is None or not with_kl or comp_CD.shape[0] == 0:
+        # CSA: the indexer's top-k entries; its KL loss teaches it the main attention's choice.
+        q_I, w_I, k_I = self.indexer(x_RD.detach(), cq_TQ.detach(), plan, rope_q)
+        entries_TE = self.indexer.select(q_I, w_I, k_I, cplan)
+        idx_TK = _with_entries(plan.window_TW, entries_TE, kv_RD.shape[0])
+        out_TD = self._attend(q_THD, kv_SD, idx_TK, rope_q)
+        if not with_kl or comp_CD.shape[0] == 0:
             return out_TD, None
         cand_TK = entries_TE if self.kl_mode == "sparse" else cplan.visible()
-        student_TK = self.indexer.scores(q_I, w_I, k_I, cand_TK)
         kl = indexer_kl(
-            q_THD,
-            kv_RD,
-            comp_CD,
-            self.attn_sink,
-            plan.window_TW,
-            cand_TK,
-            student_TK,
-            plan.real_T,
-            D**-0.5,
-            self.chunk,
+            q_THD=q_THD,
+            kv_RD=kv_RD,
+            comp_CD=comp_CD,
+            sink_H=self.attn_sink,
+            window_TW=plan.window_TW,
+            cand_TK=cand_TK,
+            student_TK=self.indexer.scores(q_I, w_I, k_I, cand_TK),
+            row_ok_T=plan.real_T,
+            scale=D**-0.5,
+            chunk=self.chunk,
         )
         return out_TD, kl
+
+    def _attend(
+        self, q_THD: torch.Tensor, kv_SD: torch.Tensor, idx_TK: torch.Tensor, rope_q: CosSin
+    ) -> torch.Tensor:
+        """One softmax of every query over its listed key rows and its sink, then the output projection."""
+        T, H, D, G = q_THD.shape[0], self.n_heads, self.head_dim, self.o_groups
+        o_THD, _ = sparse_mqa(q_THD, kv_SD, idx_TK, self.attn_sink, D**-0.5, self.chunk)
+        o_THD = apply_rope(o_THD, *rope_q, inverse=True)
+        wo_a_GOI = self.wo_a.weight.view(G, -1, H * D // G)
+        o_TGO = torch.einsum("tgi,goi->tgo", o_THD.reshape(T, G, -1), wo_a_GOI)
+        return self.wo_b(o_TGO.flatten(1))
+
+
+def _with_entries(window_TW: torch.Tensor, entries_TE: torch.Tensor, R: int) -> torch.Tensor:
+    """Key-buffer rows of every query: its window rows, then its compressed entries (-1 = none),
+    which sit after the R key rows in the buffer."""
+    return torch.cat([window_TW, torch.where(entries_TE >= 0, entries_TE + R, -1)], dim=1)

@@ -107,6 +107,7 @@ def _topk_mask_low_index_first(score_nC: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def indexer_kl(
+    *,
     q_THD: torch.Tensor,
     kv_RD: torch.Tensor,
     comp_CD: torch.Tensor,

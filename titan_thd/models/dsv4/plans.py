@@ -144,6 +144,7 @@ def _local_rows(meta: BatchMeta, args: DSv4Args, T_full: int) -> tuple[int, int,
 
 
 def _compress_plan(
+    *,
     kind: str,
     m: int,
     lens_N: torch.Tensor,
@@ -223,16 +224,16 @@ def build_plan(meta: BatchMeta, args: DSv4Args, dtype: torch.dtype) -> BatchPlan
     freq_main, freq_comp = inv_freq(args, False, rdt), inv_freq(args, True, rdt)
     compress = {
         kind: _compress_plan(
-            kind,
-            args.ratios[kind],
-            lens_N,
-            starts_N,
-            doc_T,
-            pos_T,
-            (lo, hi, halo),
-            meta.cp.size,
-            freq_comp,
-            meta.device,
+            kind=kind,
+            m=args.ratios[kind],
+            lens_N=lens_N,
+            starts_N=starts_N,
+            doc_T=doc_T,
+            pos_T=pos_T,
+            rows=(lo, hi, halo),
+            cp_size=meta.cp.size,
+            freq_R=freq_comp,
+            device=meta.device,
         )
         for kind in sorted(set(args.layer_types) - {"sliding"})
     }
