@@ -1,7 +1,8 @@
 """A llama flavor small enough for trainer tests that run many steps in many processes.
 
-The trainer takes model sizes from named flavors only, so tests register one more flavor (in
-every process that builds a Trainer: spawn workers and subprocesses call `register()` too).
+The trainer takes model sizes from named flavors only, so tests register one more flavor: the
+`tiny_llama` fixture (tests/conftest.py) for the test process, `register()` in spawn workers and
+subprocesses (fresh processes whose table dies with them).
 """
 
 from titan_thd.models.llama.args import LlamaArgs, flavors
@@ -13,7 +14,3 @@ ARGS = LlamaArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden_dim=160
 def register() -> str:
     flavors.setdefault(NAME, ARGS)
     return NAME
-
-
-def unregister() -> None:
-    flavors.pop(NAME, None)

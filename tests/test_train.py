@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.conftest import TRAIN_ARGS
 from titan_thd.components.loss import cross_entropy_sum
 from titan_thd.config import load_config
 from titan_thd.data.batch_meta import BatchMeta
@@ -17,25 +18,7 @@ from titan_thd.train import Trainer, attention_cost_weight
 
 
 def _cfg(tmp_path, *extra):
-    return load_config(
-        [
-            "--data.source",
-            "jsonl",
-            "--data.path",
-            "chat_sft.jsonl.gz",
-            "--training.global_batch_size",
-            "8",
-            "--training.tokens_per_microbatch",
-            "512",
-            "--training.steps",
-            "2",
-            "--metrics.enable_tensorboard",
-            "false",
-            "--job.dump_folder",
-            str(tmp_path),
-            *extra,
-        ]
-    )
+    return load_config([*TRAIN_ARGS, "--training.steps", "2", "--job.dump_folder", str(tmp_path), *extra])
 
 
 @pytest.fixture(scope="module")

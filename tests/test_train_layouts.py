@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor
 
 from tests import _tiny_llama
 from tests._dist import spawn
+from tests.conftest import TRAIN_ARGS
 from titan_thd.config import load_config
 from titan_thd.train import Trainer
 
@@ -39,18 +40,11 @@ def args(dump: Path, steps: int, *extra: str) -> list[str]:
     """8 chat conversations per step in microbatches of 512 tokens (2 to 5 per step); the LR
     schedule is pinned to 8 steps so that a run stopped at 4 continues on the same schedule."""
     return [
+        *TRAIN_ARGS,
         "--model.flavor",
         _tiny_llama.NAME,
-        "--data.source",
-        "jsonl",
-        "--data.path",
-        "chat_sft.jsonl.gz",
         "--data.cache_dir",
         str(dump.parent / "data_cache"),
-        "--training.global_batch_size",
-        "8",
-        "--training.tokens_per_microbatch",
-        "512",
         "--training.steps",
         str(steps),
         "--training.max_norm",
@@ -69,8 +63,6 @@ def args(dump: Path, steps: int, *extra: str) -> list[str]:
         str(STEPS),
         "--checkpoint.enable",
         "true",
-        "--metrics.enable_tensorboard",
-        "false",
         "--metrics.peak_tflops",
         "1",
         "--metrics.log_freq",
@@ -126,13 +118,11 @@ def _dp2_runs(rank: int, world_size: int, dumps: dict[str, Path]):
 
 
 @pytest.fixture(scope="module")
-def tiny():
+def tiny(tiny_llama):
     """One thread (comparable kernels, and no oversubscription of a busy machine) and the flavor."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    _tiny_llama.register()
     yield
-    _tiny_llama.unregister()
     torch.set_num_threads(threads)
 
 

@@ -5,7 +5,6 @@ tests/ops/test_cp_attention.py and tests/data/test_cp_partition.py.)"""
 import pytest
 import torch
 
-from tests.test_train import _cfg
 from titan_thd.config import CHOICES, Parallelism
 from titan_thd.models import get_model_spec
 from titan_thd.parallel.context_parallel import CP_MODES, resolve_mode, validate_context_parallel
@@ -89,10 +88,9 @@ def test_valid_layouts_and_no_cp():
         _validate(degree=1, configured_mode="contiguous")
 
 
-def test_trainer_refuses_dsv4_zigzag(tmp_path, monkeypatch):
+def test_trainer_refuses_dsv4_zigzag(make_config, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
-    cfg = _cfg(
-        tmp_path,
+    cfg = make_config(
         *("--model.name", "dsv4", "--model.flavor", "tiny", "--parallelism.context_parallel_degree", "2"),
         *("--parallelism.context_parallel_mode", "zigzag", "--data.pad_to_multiple", "4"),
     )
@@ -104,10 +102,10 @@ def test_trainer_refuses_dsv4_zigzag(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("world, cp", [("4", "3"), ("3", "2")])
-def test_cp_degree_must_divide_the_world(tmp_path, monkeypatch, world, cp):
+def test_cp_degree_must_divide_the_world(make_config, monkeypatch, world, cp):
     monkeypatch.setenv("WORLD_SIZE", world)
     overrides = ["--parallelism.context_parallel_degree", cp, "--data.pad_to_multiple", str(2 * int(cp))]
-    cfg = _cfg(tmp_path, *overrides, "--training.tokens_per_microbatch", "504")  # 504 = 2^3 * 3^2 * 7
+    cfg = make_config(*overrides, "--training.tokens_per_microbatch", "504")  # 504 = 2^3 * 3^2 * 7
     with pytest.raises(ValueError, match=rf"pp 1 × cp {cp} × tp 1 = {cp} does not divide world size {world}"):
         Trainer(cfg)
     assert not torch.distributed.is_initialized()
