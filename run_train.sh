@@ -11,6 +11,8 @@
 #   LOG_RANK=0,1  local ranks whose output is shown (default 0)
 #   COMM_MODE=fake  one process simulates NGPU ranks on a fake process group for one step
 #                   (a dry run of the parallel layout; losses are meaningless)
+#   TITAN_THD_DEBUG=1  show the Python traceback of an input error (without it, a bad config value,
+#                   data file, tokenizer, checkpoint, ... ends with one `error: ...` line, exit code 2)
 # SIGTERM (kill -TERM <pid of run_train.sh>): every rank finishes its step, saves a checkpoint
 # (with checkpoint.enable) and the run exits 0.
 set -euo pipefail
@@ -70,6 +72,12 @@ NGPU="${NGPU:-1}"
 LOG_RANK="${LOG_RANK:-0}"
 # Config errors surface here in a fraction of a second, without torchrun's failure report.
 "$VENV/bin/python" -m titan_thd.config --job.config_file "$config_file" "${args[@]}" >/dev/null
+if [[ "$NGPU" != 1 && -z "${COMM_MODE:-}" ]]; then
+  # So do the data, tokenizer, layout and checkpoint errors of a multi-process run (one process reads
+  # them; the data cache it writes is the run's), instead of every rank's error and torchrun's report.
+  NGPU="$NGPU" "$VENV/bin/python" -m titan_thd.train --job.config_file "$config_file" "${args[@]}" \
+    --job.preflight true
+fi
 
 if [[ -n "${COMM_MODE:-}" ]]; then
   # No torchrun: one process plays rank 0 of an NGPU-rank world.
