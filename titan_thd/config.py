@@ -355,7 +355,10 @@ def _load_toml(cfg: Config, path: Path) -> None:
     except IsADirectoryError:
         raise ValueError(f"job.config_file: {path} is a folder, expected a TOML file") from None
     except UnicodeDecodeError as e:
-        raise ValueError(f"{path}: not UTF-8 text (byte {e.start}), expected a TOML file") from None
+        line = e.object[: e.start].count(b"\n") + 1
+        raise ValueError(
+            f"{path}:{line}: not UTF-8 text (byte 0x{e.object[e.start]:02x}), expected TOML"
+        ) from None
     except OSError as e:
         raise ValueError(f"{path}: cannot read: {e}") from None
     except tomllib.TOMLDecodeError as e:

@@ -1,8 +1,9 @@
 """Bad input never ends in a traceback: every case below exits with code 2 and one `error:` line that
 names the file (and line / record), the field, the value and what is allowed; the input files are
 byte-identical afterwards. Most cases run `titan_thd.train.main(argv)` in this process (the code path
-of every rank); a few run ./run_train.sh for real (its preflight, torchrun with NGPU=2, the debug
-switch TITAN_THD_DEBUG=1 that shows the traceback)."""
+of every rank, and of the preflight that run_train.sh runs before torchrun when NGPU > 1); a few run
+./run_train.sh for real (its config preflight, NGPU=2 and NGPU=4 runs stopped by the preflight before
+any rank starts, one process, and the debug switch TITAN_THD_DEBUG=1 that shows the traceback)."""
 
 from __future__ import annotations
 
@@ -157,8 +158,6 @@ class Case:
     """Substrings of the error line ({tmp} is the case's folder)."""
     files: Files = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
-    base: bool = True
-    """Prefix the args with BASE (a small valid mock run)."""
 
 
 def _del(key: str) -> Callable[[dict], None]:
@@ -183,7 +182,7 @@ CASES = [
          ["{tmp}/c.toml", "training.steps", "'ten'", "expected an integer"], {"c.toml": '[training]\nsteps = "ten"\n'}),
     Case("toml key outside a section", ["--job.config_file", "{tmp}/c.toml"],
          ["{tmp}/c.toml", "'steps'", "[section] table"], {"c.toml": "steps = 3\n"}),
-    Case("toml not utf-8", ["--job.config_file", "{tmp}/c.toml"], ["{tmp}/c.toml", "UTF-8"],
+    Case("toml not utf-8", ["--job.config_file", "{tmp}/c.toml"], ["{tmp}/c.toml:2", "not UTF-8", "0xff"],
          {"c.toml": b"[job]\ndescription = '\xff'\n"}),
     Case("config file missing", ["--job.config_file", "{tmp}/none.toml"], ["config file not found", "{tmp}/none.toml"]),
     Case("config file is a folder", ["--job.config_file", "{tmp}/d"], ["{tmp}/d", "is a folder"],
@@ -428,7 +427,7 @@ def test_bad_input_is_one_clear_line(case: Case, case_dir: Path, capsys, monkeyp
     monkeypatch.delenv("TITAN_THD_DEBUG", raising=False)
     for k, v in case.env.items():
         monkeypatch.setenv(k, v)
-    argv = [_format(a, case_dir) for a in (BASE if case.base else []) + case.args]
+    argv = [_format(a, case_dir) for a in BASE + case.args]  # the case's args override BASE
     code = main(argv)
     out, err = capsys.readouterr()
     assert code == 2, (out + err)[-2000:]

@@ -440,10 +440,10 @@ def check_hf(args: DSv4Args, path: str | Path, name: str = "the given args") -> 
     """ValueError unless the HF folder describes `args`' architecture (`name` says where they come from)
     and has readable safetensors files; cheap (config.json and the safetensors headers), so the trainer
     calls it before building anything."""
-    path = Path(path)
-    _resolve_args(_ckpt_args(path), args, str(path / "config.json"), name)
     from safetensors import SafetensorError, safe_open
 
+    path = Path(path)
+    _resolve_args(_ckpt_args(path), args, str(path / "config.json"), name)
     for f in _safetensors_files(path):
         try:
             with safe_open(str(f), "pt") as st:  # the header only
