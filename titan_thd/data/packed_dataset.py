@@ -199,7 +199,7 @@ class PackedRows:
             )
         if len(self) == 0 or int(self.num_targets.sum()) == 0:
             raise ValueError(
-                f"{where}: nothing to train: {len(self)} rows and no trained target token "
+                f"{where}: nothing to train: none of its {len(self)} rows holds a trained target token "
                 "(chat records train only assistant turns)"
             )
 
