@@ -11,6 +11,8 @@
 #   LOG_RANK=0,1  local ranks whose output is shown, on every node (default 0)
 #   COMM_MODE=fake  one process simulates NNODES x NGPU ranks on a fake process group for one step
 #                   (a dry run of the parallel layout; losses are meaningless)
+#   TITAN_THD_DEBUG=1  show the Python traceback of an input error (without it, a bad config value,
+#                   data file, tokenizer, checkpoint, ... ends with one `error: ...` line, exit code 2)
 # Several nodes (run this script once per node, same arguments; scripts/slurm_train.sbatch):
 #   NNODES=N      nodes in the job (default 1)
 #   NODE_RANK=I   this node, 0..NNODES-1 (default 0); node 0 hosts the rendezvous store
@@ -107,6 +109,13 @@ fi
 VENV="${TITAN_THD_VENV:-$ROOT/.venv}"
 # Config errors surface here in a fraction of a second, without torchrun's failure report.
 "$VENV/bin/python" -m titan_thd.config --job.config_file "$config_file" "${args[@]}" >/dev/null
+if ((NGPU * NNODES != 1)) && [[ -z "${COMM_MODE:-}" ]]; then
+  # So do the data, tokenizer, layout and checkpoint errors of a multi-process run (one process per
+  # node reads them; the data cache it writes is the run's), instead of every rank's error and
+  # torchrun's report. NGPU is the world size here.
+  NGPU="$((NGPU * NNODES))" "$VENV/bin/python" -m titan_thd.train --job.config_file "$config_file" "${args[@]}" \
+    --job.preflight true
+fi
 
 if [[ -n "${COMM_MODE:-}" ]]; then
   # No torchrun: one process plays rank 0 of the whole NNODES x NGPU world (on any one machine;

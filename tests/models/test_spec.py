@@ -6,6 +6,7 @@ import pytest
 
 from titan_thd.models import get_model_spec
 from titan_thd.models.dsv4 import load_hf_into, update_router_bias
+from titan_thd.models.dsv4.hf_interop import check_hf
 from titan_thd.models.spec import ModelSpec
 
 
@@ -25,7 +26,8 @@ def test_misspelt_hook_is_a_type_error():
 
 def test_specs_hooks():
     llama, dsv4 = get_model_spec("llama"), get_model_spec("dsv4")
-    assert llama.init_from_hf is None and llama.after_optimizer_step is None
-    assert dsv4.init_from_hf is load_hf_into and dsv4.after_optimizer_step is update_router_bias
+    assert llama.init_from_hf is None and llama.check_hf is None and llama.after_optimizer_step is None
+    assert dsv4.init_from_hf is load_hf_into and dsv4.check_hf is check_hf
+    assert dsv4.after_optimizer_step is update_router_bias
     with pytest.raises(dataclasses.FrozenInstanceError):
         llama.after_optimizer_step = update_router_bias

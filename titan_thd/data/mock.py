@@ -37,7 +37,12 @@ def mock_lengths(mock_config: dict, num_samples: int, seed: int) -> np.ndarray:
         return _lognormal_lengths(mock_config, num_samples or DEFAULT_NUM_SAMPLES, seed)
     if mode == "file":
         _check_keys(mock_config, _FILE_KEYS)
-        lengths = read_lengths_csv(mock_config["path"])
+        path = mock_config["path"]
+        if not isinstance(path, str) or not path:
+            raise ValueError(
+                f"data.mock_config.path: got {path!r}, expected a string (a CSV file of lengths)"
+            )
+        lengths = read_lengths_csv(path)
         if num_samples:
             lengths = np.resize(lengths, num_samples)
         return lengths

@@ -58,6 +58,9 @@ class ModelSpec:
     init_from_hf: Callable[[nn.Module, str], None] | None = None
     """(model, model.hf_path) -> None: load a Hugging Face checkpoint into the built full-weight model
     (before sharding); ValueError on an architecture mismatch. None = model.hf_path is refused."""
+    check_hf: Callable[[Any, str, str], None] | None = None
+    """(args, model.hf_path, name of the args) -> None: check the checkpoint's config.json against the
+    args before anything is built or read (ValueError on a mismatch); None = no early check."""
     after_optimizer_step: Callable[[nn.Module, ProcessGroup | None], None] | None = None
     """(model, loss_group) -> None after every optimizer step; loss_group is the dp x cp group that
     sums the step's token losses (None on one rank), e.g. dsv4's router-bias update."""
