@@ -48,6 +48,7 @@ from titan_thd.models import get_model_args, get_model_spec
 from titan_thd.models.batch_meta import BatchMeta, CPContext
 from titan_thd.models.spec import ModelSpec, as_dtype, count_params
 from titan_thd.parallel import distributed as dist_utils
+from titan_thd.parallel import pipeline
 from titan_thd.parallel.distributed import DistInfo
 from titan_thd.parallel.fsdp import (
     build_on_meta,
@@ -130,6 +131,14 @@ class Trainer:
         world_size = int(os.environ.get("NGPU" if fake else "WORLD_SIZE", "1"))
         self.parallel_dims = ParallelDims.from_config(p, world_size)
         self.parallel_dims.check_implemented()
+        pp_layers = None  # pipeline parallelism: each stage's layer ids, checked before any process group
+        if self.parallel_dims.pp_enabled:
+            pp_layers = pipeline.stage_layers(
+                self.model_args.n_layers,
+                p.pipeline_parallel_degree,
+                p.pipeline_parallel_layers_per_stage,
+                p.pipeline_parallel_stage_layers,
+            )
 
         self.dist = dist_utils.init_distributed(cfg.comm)
         if t.deterministic:
@@ -177,11 +186,32 @@ class Trainer:
         elif cfg.model.hf_path:  # full weights, before sharding; ValueError when the architecture differs
             init_from_hf(model, cfg.model.hf_path)
         model.to(as_dtype(t.dtype))
+        fingerprint = model_fingerprint([model], model=cfg.model.name, flavor=cfg.model.flavor)
+        self.pipeline: pipeline.PipelineSchedule | None = None
+        if pp_layers is not None:  # keep this stage's part only (before sharding it over its dp x cp)
+            stage = self.parallel_dims.mesh_rank("pp")
+            tied_names = pipeline.tied_first_last(cfg.model.name, model)
+            model = pipeline.split_model(cfg.model.name, model, pp_layers, stage)
         if self.spec.parallelize is not None:
             model = self.spec.parallelize(model, self.parallel_dims, p)
         if fake:
             materialize_sharded(model)
         self.model = model.to(self.dist.device).train()
+        if pp_layers is not None:
+            tied_group = pipeline.tied_groups(self.parallel_dims) if tied_names else None
+            on_end = stage in (0, len(pp_layers) - 1)
+            self.pipeline = pipeline.PipelineSchedule(
+                self.model,
+                stage,
+                len(pp_layers),
+                self.parallel_dims.get_mesh("pp").get_group(),
+                p.pipeline_parallel_schedule,
+                pipeline.boundary_shape(self.model_args, t.tokens_per_microbatch // self.parallel_dims.cp),
+                as_dtype(t.dtype),
+                self.dist.device,
+                tied=[q for n in tied_names for q in getattr(self.model, n).parameters()] if on_end else [],
+                tied_group=tied_group if on_end else None,
+            )
 
         self.optimizers = build_optimizers([self.model], cfg.optimizer, self.spec)
         self.lr_schedulers = LRSchedulersContainer(self.optimizers, cfg.lr_scheduler, t.steps)
@@ -194,7 +224,7 @@ class Trainer:
             optimizers=self.optimizers.optimizers,
             lr_schedulers=self.lr_schedulers,
             states={"train_state": self, "dataloader": self.dataloader},
-            fingerprint=model_fingerprint([self.model], model=cfg.model.name, flavor=cfg.model.flavor),
+            fingerprint=fingerprint,
         )
         # Only one rank writes metrics; it measures the MFU peak while the others wait.
         self.peak_tflops = 0.0
@@ -228,17 +258,21 @@ class Trainer:
 
         `num_trained` is the global trained-token count of the step (the only divisor).
         """
+        inp = self.local_inputs(microbatch)
+        out = self.model(inp.tokens, inp.meta)
+        ce = cross_entropy_sum(out.logits, inp.labels, inp.loss_mask)
+        loss = (ce + sum(out.aux_losses.values(), torch.zeros((), device=ce.device))) / num_trained
+        loss.backward()
+        return ce.detach(), {k: v.detach() for k, v in out.aux_losses.items()}
+
+    def local_inputs(self, microbatch: PackedBatch) -> pipeline.StageInput:
+        """This rank's rows of a microbatch and their BatchMeta (every rank builds its own)."""
         local = (
             partition(microbatch, self.cp.size, self.cp.rank, self.cp.mode) if self.cp.enabled else microbatch
         )
         meta = BatchMeta.from_batch(local, cp=self.cp, full=microbatch, device=self.dist.device)
-        out = self.model(local.tokens.to(self.dist.device), meta)
-        ce = cross_entropy_sum(
-            out.logits, local.labels.to(self.dist.device), local.loss_mask.to(self.dist.device)
-        )
-        loss = (ce + sum(out.aux_losses.values(), torch.zeros((), device=ce.device))) / num_trained
-        loss.backward()
-        return ce.detach(), {k: v.detach() for k, v in out.aux_losses.items()}
+        dev = self.dist.device
+        return pipeline.StageInput(local.tokens.to(dev), meta, local.labels.to(dev), local.loss_mask.to(dev))
 
     def train_step(self, step_batch: StepBatch) -> dict[str, float]:
         """One optimizer step over the microbatches of `step_batch`; returns the global losses."""
@@ -246,12 +280,23 @@ class Trainer:
         num_trained = max(1, step_batch.trained_tokens)
         ce_sum = torch.zeros((), dtype=torch.float64, device=self.dist.device)
         aux_sums: dict[str, torch.Tensor] = {}
-        for microbatch in step_batch.microbatches:
+        if self.pipeline is not None:  # sums over all stages; the schedule runs every microbatch
+            inputs = [self.local_inputs(mb) for mb in step_batch.microbatches]
+            ce_sum, aux_sums = self.pipeline.step(inputs, num_trained)
+        for microbatch in step_batch.microbatches if self.pipeline is None else ():
             ce, aux = self.forward_backward(microbatch, num_trained)
             ce_sum += ce
             for k, v in aux.items():
                 aux_sums[k] = aux_sums.get(k, 0) + v.double()
-        grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm)
+        if self.pipeline is None:
+            grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm)
+        else:  # over every stage; the tied copies count once
+            grad_norm = clip_grad_norm_(
+                self.pipeline.norm_params(),
+                self.cfg.training.max_norm,
+                pp_group=self.pipeline.group,
+                also_scale=[q for q in self.pipeline.tied if not self.pipeline.is_first],
+            )
         lr = self.lr_schedulers.current_lr
         self.optimizers.step()
         self.lr_schedulers.step()

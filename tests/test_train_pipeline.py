@@ -1,0 +1,176 @@
+"""The Trainer under pipeline parallelism vs one process (4-layer tiny llama, float64, 5 steps).
+
+References are runs of the same trainer on one process. Layouts, all on gloo:
+- PP2 with 1F1B (AdamW) and GPipe (Muon, float64 Newton-Schulz);
+- PP3 (stages of 2 | 1 | 1 layers: a middle stage), 1F1B, AdamW;
+- PP2 x DP2 (FSDP over the 2 data-parallel ranks of each stage), Muon.
+Losses and gradient norms rel <= 1e-12 (float64: another summation order perturbs by ~1e-16 per
+operation). Clipping is on (training.max_norm below every step's norm), so a norm that missed
+another stage's squared sum would change the update and the later losses.
+
+Checkpoints: a PP2 checkpoint of step 3 resumed on one process, and a one-process checkpoint of
+step 3 resumed on PP2, train steps 4-5 on the same documents with the uninterrupted run's losses.
+"""
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests import _tiny_llama
+from tests._dist import spawn
+from tests.test_train_layouts import records
+from titan_thd.config import load_config
+from titan_thd.train import Trainer
+
+pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
+STEPS, SPLIT = 5, 3
+
+
+def config(dump: Path, optimizer: str, *extra: str):
+    return load_config(
+        [
+            "--model.flavor",
+            _tiny_llama.DEEP,
+            "--data.source",
+            "jsonl",
+            "--data.path",
+            "chat_sft.jsonl.gz",
+            "--data.cache_dir",
+            str(dump.parent / "data_cache"),
+            "--training.global_batch_size",
+            "8",
+            "--training.tokens_per_microbatch",
+            "512",
+            "--training.steps",
+            str(STEPS),
+            "--training.max_norm",
+            "0.05",
+            "--optimizer.name",
+            optimizer,
+            "--optimizer.muon_ns_dtype",
+            "float64",
+            "--training.dtype",
+            "float64",
+            "--optimizer.lr",
+            "3e-3",
+            "--checkpoint.enable",
+            "true",
+            "--checkpoint.interval",
+            str(SPLIT),
+            "--metrics.enable_tensorboard",
+            "false",
+            "--metrics.peak_tflops",
+            "1",
+            "--metrics.log_freq",
+            "100",
+            "--job.dump_folder",
+            str(dump),
+            *extra,
+        ]
+    )
+
+
+def run(cfg) -> None:
+    trainer = Trainer(cfg)
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+
+
+def _env(rank: int, world_size: int) -> None:
+    _tiny_llama.register()
+    os.environ |= {"WORLD_SIZE": str(world_size), "RANK": str(rank), "LOCAL_RANK": str(rank)}
+
+
+def _pp2_runs(rank: int, world_size: int, dumps: dict[str, Path]):
+    _env(rank, world_size)
+    pp = ("--parallelism.pipeline_parallel_degree", "2")
+    run(config(dumps["adamw"], "adamw", *pp))
+    run(config(dumps["muon"], "muon", *pp, "--parallelism.pipeline_parallel_schedule", "GPipe"))
+    run(config(dumps["from_pp1"], "adamw", *pp))
+
+
+def _pp3_run(rank: int, world_size: int, dump: Path):
+    _env(rank, world_size)
+    run(config(dump, "adamw", "--parallelism.pipeline_parallel_degree", "3"))
+
+
+def _pp2_dp2_run(rank: int, world_size: int, dump: Path):
+    _env(rank, world_size)
+    run(config(dump, "muon", "--parallelism.pipeline_parallel_degree", "2"))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    _tiny_llama.register()
+    base = tmp_path_factory.mktemp("pp")
+    d = {name: base / name for name in ("adamw", "muon", "pp2_adamw", "pp2_muon", "pp3", "pp2_dp2")}
+    d |= {"pp1_from_pp2": base / "pp1_from_pp2", "pp2_from_pp1": base / "pp2_from_pp1"}
+    try:
+        run(config(d["adamw"], "adamw"))
+        run(config(d["muon"], "muon"))
+        shutil.copytree(
+            d["adamw"] / "checkpoint" / f"step-{SPLIT}", d["pp2_from_pp1"] / "checkpoint" / f"step-{SPLIT}"
+        )
+        spawn(
+            _pp2_runs,
+            2,
+            {"adamw": d["pp2_adamw"], "muon": d["pp2_muon"], "from_pp1": d["pp2_from_pp1"]},
+            timeout=600,
+        )
+        shutil.copytree(
+            d["pp2_adamw"] / "checkpoint" / f"step-{SPLIT}",
+            d["pp1_from_pp2"] / "checkpoint" / f"step-{SPLIT}",
+        )
+        run(config(d["pp1_from_pp2"], "adamw"))
+        spawn(_pp3_run, 3, d["pp3"], timeout=600)
+        spawn(_pp2_dp2_run, 4, d["pp2_dp2"], timeout=600)
+    finally:
+        _tiny_llama.unregister()
+        torch.set_num_threads(threads)
+    return d
+
+
+def _compare(reference: list[dict], got: list[dict], label: str) -> None:
+    assert [r["step"] for r in got] == [r["step"] for r in reference], label
+    for a, b in zip(reference, got, strict=True):
+        print(
+            f"{label} step {a['step']}: loss {b['loss']!r} vs {a['loss']!r} (rel {abs(b['loss'] / a['loss'] - 1):.1e}), "
+            f"grad_norm rel {abs(b['grad_norm'] / a['grad_norm'] - 1):.1e}"
+        )
+        assert (b["tokens_real"], b["tokens_trained"]) == (a["tokens_real"], a["tokens_trained"])
+        # Microbatches per data-parallel replica: each of 2 replicas packs about half of the step.
+        assert (
+            b["num_microbatches"] == a["num_microbatches"]
+            if "dp2" not in label
+            else b["num_microbatches"] <= a["num_microbatches"]
+        )
+        assert b.keys() == a.keys()
+        assert b["grad_norm"] > 0.05  # clipping is active in every step
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-12, abs=0)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-12, abs=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "layout, reference",
+    [("pp2_adamw", "adamw"), ("pp2_muon", "muon"), ("pp3", "adamw"), ("pp2_dp2", "muon")],
+)
+def test_pipeline_matches_one_process(runs, layout, reference):
+    one, got = records(runs[reference]), records(runs[layout])
+    assert len(one) == STEPS
+    _compare(one, got, layout)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("resumed", ["pp1_from_pp2", "pp2_from_pp1"])
+def test_resume_across_pipeline_degrees(runs, resumed):
+    straight, got = records(runs["adamw"]), records(runs[resumed])
+    assert [r["step"] for r in got] == list(range(SPLIT + 1, STEPS + 1))
+    _compare(straight[SPLIT:], got, resumed)
