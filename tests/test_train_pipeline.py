@@ -27,6 +27,8 @@ from titan_thd.train import Trainer
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
 STEPS, SPLIT = 5, 3
+ROOT = Path(__file__).resolve().parents[1]
+AUX = ("loss", "grad_norm", "aux/mtp", "aux/indexer")
 
 
 def config(dump: Path, optimizer: str, *extra: str):
@@ -174,3 +176,87 @@ def test_resume_across_pipeline_degrees(runs, resumed):
     straight, got = records(runs["adamw"]), records(runs[resumed])
     assert [r["step"] for r in got] == list(range(SPLIT + 1, STEPS + 1))
     _compare(straight[SPLIT:], got, resumed)
+
+
+# ============================================================================ dsv4
+def dsv4_config(dump: Path, *extra: str):
+    """The dsv4 recipe shrunk to the micro flavor (4 layers: the hash-routed one on stage 0; MTP on
+    the last stage with its copy of the embedding) in float64, Muon with float64 Newton-Schulz."""
+    return load_config(
+        [
+            "--job.config_file",
+            str(ROOT / "train_configs" / "dsv4_flash_thd.toml"),
+            "--model.flavor",
+            "micro",
+            "--training.tokens_per_microbatch",
+            "256",
+            "--training.global_batch_size",
+            "8",
+            "--training.steps",
+            "4",
+            "--training.dtype",
+            "float64",
+            "--optimizer.muon_ns_dtype",
+            "float64",
+            "--lr_scheduler.total_steps",
+            "4",
+            "--data.cache_dir",
+            str(dump.parent / "data_cache"),
+            "--checkpoint.enable",
+            "true",
+            "--checkpoint.interval",
+            "2",
+            "--metrics.enable_tensorboard",
+            "false",
+            "--metrics.peak_tflops",
+            "1",
+            "--metrics.log_freq",
+            "100",
+            "--job.dump_folder",
+            str(dump),
+            *extra,
+        ]
+    )
+
+
+def _dsv4_pp2_runs(rank: int, world_size: int, dumps: dict[str, Path]):
+    os.environ |= {"WORLD_SIZE": str(world_size), "RANK": str(rank), "LOCAL_RANK": str(rank)}
+    run(dsv4_config(dumps["pp2"], "--parallelism.pipeline_parallel_degree", "2"))
+    run(dsv4_config(dumps["pp2_from_pp1"], "--parallelism.pipeline_parallel_degree", "2"))
+
+
+@pytest.fixture(scope="module")
+def dsv4_runs(tmp_path_factory):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    base = tmp_path_factory.mktemp("pp_dsv4")
+    d = {name: base / name for name in ("one", "pp2", "pp2_from_pp1", "pp1_from_pp2")}
+    try:
+        run(dsv4_config(d["one"]))
+        shutil.copytree(d["one"] / "checkpoint" / "step-2", d["pp2_from_pp1"] / "checkpoint" / "step-2")
+        spawn(_dsv4_pp2_runs, 2, d, timeout=600)
+        shutil.copytree(d["pp2"] / "checkpoint" / "step-2", d["pp1_from_pp2"] / "checkpoint" / "step-2")
+        run(dsv4_config(d["pp1_from_pp2"]))
+    finally:
+        torch.set_num_threads(threads)
+    return d
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["pp2", "pp2_from_pp1", "pp1_from_pp2"])
+def test_dsv4_pipeline_matches_one_process(dsv4_runs, layout):
+    """Losses, MTP and indexer terms, gradient norms: the MTP's gradient into the embedding reaches
+    stage 0's copy (and a checkpoint restores both copies), or step 2 on would differ."""
+    one, got = records(dsv4_runs["one"]), records(dsv4_runs[layout])
+    if layout != "pp2":
+        one = one[2:]
+    assert [r["step"] for r in got] == [r["step"] for r in one] and got
+    for a, b in zip(one, got, strict=True):
+        print(
+            f"dsv4 {layout} step {a['step']}: "
+            + ", ".join(f"{k} rel {abs(b[k] / a[k] - 1):.1e}" for k in AUX)
+        )
+        assert b.keys() == a.keys() and a["aux/mtp"] > 0 and a["aux/indexer"] > 0
+        assert b["tokens_trained"] == a["tokens_trained"]
+        for key in AUX:
+            assert b[key] == pytest.approx(a[key], rel=1e-12, abs=0), key
