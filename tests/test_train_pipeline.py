@@ -3,7 +3,8 @@
 References are runs of the same trainer on one process. Layouts, all on gloo:
 - PP2 with 1F1B (AdamW) and GPipe (Muon, float64 Newton-Schulz);
 - PP3 (stages of 2 | 1 | 1 layers: a middle stage), 1F1B, AdamW;
-- PP2 x DP2 (FSDP over the 2 data-parallel ranks of each stage), Muon.
+- PP2 x DP2 (FSDP over the 2 data-parallel ranks of each stage), Muon;
+- PP2 x CP2 (zigzag; FSDP over the 2 context-parallel ranks of each stage), Muon.
 Losses and gradient norms rel <= 1e-12 (float64: another summation order perturbs by ~1e-16 per
 operation). Clipping is on (training.max_norm below every step's norm), so a norm that missed
 another stage's squared sum would change the update and the later losses.
@@ -46,6 +47,8 @@ def config(dump: Path, optimizer: str, *extra: str):
             "8",
             "--training.tokens_per_microbatch",
             "512",
+            "--data.pad_to_multiple",
+            "4",  # zigzag CP 2 cuts every document into 4 chunks
             "--training.steps",
             str(STEPS),
             "--training.max_norm",
@@ -101,9 +104,11 @@ def _pp3_run(rank: int, world_size: int, dump: Path):
     run(config(dump, "adamw", "--parallelism.pipeline_parallel_degree", "3"))
 
 
-def _pp2_dp2_run(rank: int, world_size: int, dump: Path):
+def _world4_runs(rank: int, world_size: int, dumps: dict[str, Path]):
     _env(rank, world_size)
-    run(config(dump, "muon", "--parallelism.pipeline_parallel_degree", "2"))
+    run(config(dumps["pp2_dp2"], "muon", "--parallelism.pipeline_parallel_degree", "2"))
+    cp = ("--parallelism.context_parallel_degree", "2")
+    run(config(dumps["pp2_cp2"], "muon", "--parallelism.pipeline_parallel_degree", "2", *cp))
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +117,9 @@ def runs(tmp_path_factory):
     torch.set_num_threads(1)
     _tiny_llama.register()
     base = tmp_path_factory.mktemp("pp")
-    d = {name: base / name for name in ("adamw", "muon", "pp2_adamw", "pp2_muon", "pp3", "pp2_dp2")}
+    d = {
+        name: base / name for name in ("adamw", "muon", "pp2_adamw", "pp2_muon", "pp3", "pp2_dp2", "pp2_cp2")
+    }
     d |= {"pp1_from_pp2": base / "pp1_from_pp2", "pp2_from_pp1": base / "pp2_from_pp1"}
     try:
         run(config(d["adamw"], "adamw"))
@@ -132,7 +139,7 @@ def runs(tmp_path_factory):
         )
         run(config(d["pp1_from_pp2"], "adamw"))
         spawn(_pp3_run, 3, d["pp3"], timeout=600)
-        spawn(_pp2_dp2_run, 4, d["pp2_dp2"], timeout=600)
+        spawn(_world4_runs, 4, d, timeout=600)
     finally:
         _tiny_llama.unregister()
         torch.set_num_threads(threads)
@@ -162,7 +169,13 @@ def _compare(reference: list[dict], got: list[dict], label: str) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "layout, reference",
-    [("pp2_adamw", "adamw"), ("pp2_muon", "muon"), ("pp3", "adamw"), ("pp2_dp2", "muon")],
+    [
+        ("pp2_adamw", "adamw"),
+        ("pp2_muon", "muon"),
+        ("pp3", "adamw"),
+        ("pp2_dp2", "muon"),
+        ("pp2_cp2", "muon"),
+    ],
 )
 def test_pipeline_matches_one_process(runs, layout, reference):
     one, got = records(runs[reference]), records(runs[layout])
@@ -225,30 +238,37 @@ def _dsv4_pp2_runs(rank: int, world_size: int, dumps: dict[str, Path]):
     run(dsv4_config(dumps["pp2_from_pp1"], "--parallelism.pipeline_parallel_degree", "2"))
 
 
+def _dsv4_pp2_cp2_run(rank: int, world_size: int, dump: Path):
+    os.environ |= {"WORLD_SIZE": str(world_size), "RANK": str(rank), "LOCAL_RANK": str(rank)}
+    cp = ("--parallelism.context_parallel_degree", "2")
+    run(dsv4_config(dump, "--parallelism.pipeline_parallel_degree", "2", *cp, "--checkpoint.enable", "false"))
+
+
 @pytest.fixture(scope="module")
 def dsv4_runs(tmp_path_factory):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     base = tmp_path_factory.mktemp("pp_dsv4")
-    d = {name: base / name for name in ("one", "pp2", "pp2_from_pp1", "pp1_from_pp2")}
+    d = {name: base / name for name in ("one", "pp2", "pp2_from_pp1", "pp1_from_pp2", "pp2_cp2")}
     try:
         run(dsv4_config(d["one"]))
         shutil.copytree(d["one"] / "checkpoint" / "step-2", d["pp2_from_pp1"] / "checkpoint" / "step-2")
         spawn(_dsv4_pp2_runs, 2, d, timeout=600)
         shutil.copytree(d["pp2"] / "checkpoint" / "step-2", d["pp1_from_pp2"] / "checkpoint" / "step-2")
         run(dsv4_config(d["pp1_from_pp2"]))
+        spawn(_dsv4_pp2_cp2_run, 4, d["pp2_cp2"], timeout=600)
     finally:
         torch.set_num_threads(threads)
     return d
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["pp2", "pp2_from_pp1", "pp1_from_pp2"])
+@pytest.mark.parametrize("layout", ["pp2", "pp2_from_pp1", "pp1_from_pp2", "pp2_cp2"])
 def test_dsv4_pipeline_matches_one_process(dsv4_runs, layout):
     """Losses, MTP and indexer terms, gradient norms: the MTP's gradient into the embedding reaches
     stage 0's copy (and a checkpoint restores both copies), or step 2 on would differ."""
     one, got = records(dsv4_runs["one"]), records(dsv4_runs[layout])
-    if layout != "pp2":
+    if "from" in layout:
         one = one[2:]
     assert [r["step"] for r in got] == [r["step"] for r in one] and got
     for a, b in zip(one, got, strict=True):
