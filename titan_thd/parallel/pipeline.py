@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from titan_thd.components.loss import cross_entropy_sum
@@ -234,7 +235,14 @@ class PipelineSchedule:
             in_flight.append((x_in, y, aux))
             return y
 
+        done = 0
+
         def backward(grad_y: torch.Tensor | None) -> torch.Tensor | None:
+            nonlocal done
+            done += 1
+            # FSDP reduce-scatters once per step, in the last backward (gradients accumulate
+            # unsharded until then), as torch's pipeline schedules do.
+            self._gradient_sync(done == k)
             return self._backward(*in_flight.popleft(), grad_y)
 
         for i in range(warmup):
@@ -256,6 +264,10 @@ class PipelineSchedule:
         assert not in_flight
         self._sync_tied_grads()
         return self._sum_over_stages(sums)
+
+    def _gradient_sync(self, enabled: bool) -> None:
+        if isinstance(self.module, FSDPModule):
+            self.module.set_requires_gradient_sync(enabled)
 
     def _sync_tied_grads(self) -> None:
         """The first and the last stage each hold a copy of the tied weights; each copy's gradient
