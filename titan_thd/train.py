@@ -139,6 +139,7 @@ class Trainer:
                 p.pipeline_parallel_layers_per_stage,
                 p.pipeline_parallel_stage_layers,
             )
+        self.pp_layers = pp_layers
 
         self.dist = dist_utils.init_distributed(cfg.comm)
         if t.deterministic:
@@ -398,6 +399,19 @@ class Trainer:
                 self.model, d, c.optimizer.name, as_dtype(c.training.dtype), muon_params
             ),
         )
+        if self.pipeline is not None:  # every stage's share, built on the meta device
+            for line in pipeline.stage_summary(
+                lambda: build_on_meta(lambda: self.spec.build(self.model_args)),
+                c.model.name,
+                self.pp_layers,
+                d,
+                c.parallelism.pipeline_parallel_schedule,
+                self.pipeline.shape,
+                as_dtype(c.training.dtype),
+                c.optimizer.name,
+                self.spec.matrix_params or default_matrix_params,
+            ):
+                logger.info("%s", line)
         muon_opt = next((o for o in self.optimizers.optimizers if isinstance(o, Muon)), None)
         logger.info(
             "hardware: %s%s",

@@ -25,6 +25,8 @@ step's global trained-token count from the plan. So gradients are those of the o
 from __future__ import annotations
 
 import collections
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -313,3 +315,48 @@ def tied_groups(parallel_dims: Any) -> dist.ProcessGroup | None:
         if dist.get_rank() in (coord[0], coord[-1]):
             mine = group
     return mine
+
+
+def stage_summary(
+    build_meta: Callable[[], nn.Module],
+    model_name: str,
+    layers: list[list[int]],
+    parallel_dims: Any,
+    schedule: str,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    optimizer: str = "adamw",
+    matrix_params: Callable[[nn.Module], list[str]] | None = None,
+) -> list[str]:
+    """One line per stage for the log header: its layers, parameters, estimated memory per rank
+    and the boundary tensors its schedule keeps in flight (1F1B: at most pp - stage microbatches,
+    GPipe: all K of the step). Each stage is built on the meta device: no memory, any size."""
+    from titan_thd.parallel.fsdp import estimate_memory_per_rank  # fsdp imports parallel_dims
+
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    boundary = math.prod(shape) * itemsize
+    full = build_meta()
+    tied = tied_first_last(model_name, full)
+    lines = []
+    for s, ids in enumerate(layers):
+        # A view that shares the full model's modules (same FQNs): one meta build for all stages.
+        part = nn.Module()
+        part.args = full.args
+        part.layers = nn.ModuleDict({str(i): full.layers[str(i)] for i in ids})
+        for name in _FIRST[model_name]:
+            if s == 0 or (s == len(layers) - 1 and name in tied):
+                setattr(part, name, getattr(full, name))
+        for name in _LAST[model_name] if s == len(layers) - 1 else ():
+            setattr(part, name, getattr(full, name))
+        muon = matrix_params(part) if optimizer == "muon" and matrix_params else ()
+        mem = estimate_memory_per_rank(part, parallel_dims, optimizer, dtype, muon)
+        if schedule == "GPipe":
+            flight = f"K x {boundary / 2**20:.2f} MiB"
+        else:
+            n = len(layers) - s
+            flight = f"<= {n} x {boundary / 2**20:.2f} MiB = {n * boundary / 2**20:.2f} MiB"
+        lines.append(
+            f"pp stage {s}: layers {ids[0]}-{ids[-1]}, {sum(p.numel() for p in part.parameters()):,} parameters; "
+            f"{mem}; in-flight microbatch inputs {flight} (boundary {list(shape)}, {schedule})"
+        )
+    return lines
