@@ -273,7 +273,7 @@ class Trainer:
         )
         meta = BatchMeta.from_batch(local, cp=self.cp, full=microbatch, device=self.dist.device)
         dev = self.dist.device
-        return pipeline.StageInput(local.tokens.to(dev), meta, local.labels.to(dev), local.loss_mask.to(dev))
+        return pipeline.StageInput(meta.tokens, meta, local.labels.to(dev), local.loss_mask.to(dev))
 
     def train_step(self, step_batch: StepBatch) -> dict[str, float]:
         """One optimizer step over the microbatches of `step_batch`; returns the global losses."""

@@ -4,7 +4,8 @@ The schedule test runs a 4-layer llama in float64 on 3 gloo ranks (a middle stag
 microbatch count changes (1 < pp, 2, 5, 3) and whose microbatches are the ones that broke the seeds'
 metadata broadcasts: a zero-length document, a padding-only microbatch, one document filling T.
 Every stage builds its own BatchMeta; the reference is the unsplit model on one process, run on the
-same microbatches. Losses and every stage's gradients must agree to float64 rounding.
+same microbatches. Losses and every stage's gradients must agree to float64 rounding, for our
+1F1B and GPipe and for torch's Schedule1F1B (rebuilt per step, on the steps with K >= pp).
 """
 
 import copy
@@ -111,8 +112,56 @@ def _inputs(mb) -> StageInput:
     return StageInput(mb.tokens, meta, mb.labels, mb.loss_mask)
 
 
+class _Logits(torch.nn.Module):
+    """A stage for torch's PipelineStage: tensors in, tensors out, BatchMeta as a keyword."""
+
+    def __init__(self, stage: torch.nn.Module):
+        super().__init__()
+        self.stage = stage
+
+    def forward(self, x: torch.Tensor, meta: BatchMeta) -> torch.Tensor:
+        return self.stage(x, meta).logits
+
+
+def _torch_1f1b(stage, rank: int, world_size: int, group, mbs: list, n: int) -> float:
+    """torch.distributed.pipelining's Schedule1F1B over a STATIC stage, built anew for this K
+    (research note A3-A4: the only way its microbatch count can change between steps)."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    def empty(*shape):
+        return torch.empty(shape, dtype=torch.float64, requires_grad=True)
+
+    first, last = rank == 0, rank == world_size - 1
+    pipe_stage = PipelineStage(
+        _Logits(stage),
+        rank,
+        world_size,
+        torch.device("cpu"),
+        input_args=torch.zeros(T, dtype=torch.int64) if first else empty(T, ARGS.dim),
+        output_args=empty(T, ARGS.vocab_size) if last else empty(T, ARGS.dim),
+        group=group,
+    )
+    losses: list = []
+    sched = Schedule1F1B(
+        pipe_stage,
+        len(mbs),
+        loss_fn=lambda logits, mb: cross_entropy_sum(logits, mb.labels, mb.loss_mask) / n,
+        scale_grads=False,
+    )
+    pipe_stage.has_backward = True  # what step() sets before _step_microbatches (research G2)
+    pipe_stage.clear_runtime_states()
+    sched._step_microbatches(
+        [(mb.tokens,) if first else () for mb in mbs],
+        [{"meta": _inputs(mb).meta} for mb in mbs],
+        list(mbs) if last else None,
+        losses if last else None,
+    )
+    return float(sum(loss.detach() for loss in losses)) * n if last else 0.0
+
+
 def _schedule_vs_reference(rank: int, world_size: int):
-    """Both schedules on this rank's stage; (schedule, losses, worst gradient rel, names) each."""
+    """Both schedules (and torch's Schedule1F1B where K >= pp) on this rank's stage;
+    (schedule, losses, worst gradient rel, names) each."""
     torch.manual_seed(0)
     full = build_llama(ARGS).to(torch.float64)
     steps = hard_steps()
@@ -120,12 +169,21 @@ def _schedule_vs_reference(rank: int, world_size: int):
     stage = split_model("llama", copy.deepcopy(full), layers, rank)
     group = torch.distributed.new_group(list(range(world_size)))
     out = []
-    for schedule in ("1F1B", "GPipe"):
+    for schedule in ("1F1B", "GPipe", "torch Schedule1F1B"):
         pipe = PipelineSchedule(
-            stage, rank, world_size, group, schedule, (T, ARGS.dim), torch.float64, torch.device("cpu")
+            stage,
+            rank,
+            world_size,
+            group,
+            schedule.removeprefix("torch Schedule"),
+            (T, ARGS.dim),
+            torch.float64,
+            torch.device("cpu"),
         )
         worst_grad, losses = 0.0, []
         for mbs in steps:
+            if schedule.startswith("torch") and len(mbs) < world_size:
+                continue  # torch's 1F1B needs K >= pp
             n = max(1, sum(int(mb.loss_mask.sum()) for mb in mbs))
             full.zero_grad()
             ref = torch.zeros((), dtype=torch.float64)
@@ -134,9 +192,14 @@ def _schedule_vs_reference(rank: int, world_size: int):
                 (ce / n).backward()
                 ref += ce.detach()
             stage.zero_grad()
-            ce_sum, aux = pipe.step([_inputs(mb) for mb in mbs], n)
-            assert aux == {}
-            losses.append((float(ce_sum), float(ref)))
+            if schedule.startswith("torch"):
+                ce = torch.tensor(_torch_1f1b(stage, rank, world_size, group, mbs, n), dtype=torch.float64)
+                torch.distributed.all_reduce(ce, group=group)  # the last stage has the loss
+                losses.append((float(ce), float(ref)))
+            else:
+                ce_sum, aux = pipe.step([_inputs(mb) for mb in mbs], n)
+                assert aux == {}
+                losses.append((float(ce_sum), float(ref)))
             ref_grads = dict(full.named_parameters())
             for name, p in stage.named_parameters():
                 assert p.grad is not None, name
@@ -155,13 +218,14 @@ def test_schedules_match_one_process_with_varying_k_and_hard_microbatches():
     assert names[0][0] == "layers.0.attention.wk.weight" and "tok_embeddings.weight" in names[0]
     assert all(n.startswith("layers.2.") for n in names[1])  # the middle stage: one block only
     assert "output.weight" in names[2] and "tok_embeddings.weight" not in names[2]
+    assert [len(r[1]) for r in results[0]] == [4, 4, 2]  # torch's 1F1B: the steps with K >= 3
     for rank_results in results:
         for schedule, losses, worst, _ in rank_results:
             for got, ref in losses:
                 assert got == pytest.approx(ref, rel=1e-12, abs=1e-300)
             print(f"{schedule}: losses {losses}, worst gradient rel {worst:.1e}")
             assert worst <= 1e-12
-    assert all(ref > 0 for _, ref in results[0][0][1])  # not a vacuous comparison
+    assert all(ref > 0 for r in results[0] for _, ref in r[1])  # not a vacuous comparison
 
 
 def test_boundary_shape():
