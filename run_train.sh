@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Train with titan_thd: installs what it needs (quick when installed), then launches the trainer
-# (one process directly, NGPU > 1 with torchrun).
+# (one process directly; more processes, or more nodes, with torchrun).
 #
 #   ./run_train.sh --config debug_dense_thd.toml [--section.field value ...]
 #
@@ -8,11 +8,23 @@
 # other args      config overrides, e.g. --training.steps 50 --checkpoint.enable true
 # Env:
 #   NGPU=N        processes on this node (default 1); the CPU uses gloo, GPUs use NCCL
-#   LOG_RANK=0,1  local ranks whose output is shown (default 0)
-#   COMM_MODE=fake  one process simulates NGPU ranks on a fake process group for one step
+#   LOG_RANK=0,1  local ranks whose output is shown, on every node (default 0)
+#   COMM_MODE=fake  one process simulates NNODES x NGPU ranks on a fake process group for one step
 #                   (a dry run of the parallel layout; losses are meaningless)
-# SIGTERM (kill -TERM <pid of run_train.sh>): every rank finishes its step, saves a checkpoint
-# (with checkpoint.enable) and the run exits 0.
+#   TITAN_THD_DEBUG=1  show the Python traceback of an input error (without it, a bad config value,
+#                   data file, tokenizer, checkpoint, ... ends with one `error: ...` line, exit code 2)
+# Several nodes (run this script once per node, same arguments; scripts/slurm_train.sbatch):
+#   NNODES=N      nodes in the job (default 1)
+#   NODE_RANK=I   this node, 0..NNODES-1 (default 0); node 0 hosts the rendezvous store
+#   RDZV_ENDPOINT=host:port  where node 0 can be reached (required when NNODES > 1; falls back
+#                 to MASTER_ADDR:MASTER_PORT, port 29500 by default); one node: localhost:0
+#   RDZV_ID=ID    the job's name in the rendezvous (default titan_thd)
+#   torchrun's c10d rendezvous orders the nodes by hostname (then process id), not NODE_RANK:
+#   global rank 0, which writes the metrics, need not be on node 0, so job.dump_folder belongs
+#   on a filesystem all nodes share (as the checkpoint shards of all ranks do anyway).
+# SIGTERM (kill -TERM <pid of run_train.sh>, or to every process of it as SLURM signals a job
+# step): every rank finishes its step, saves a checkpoint (with checkpoint.enable) and the run
+# exits 0.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 
@@ -64,31 +76,82 @@ else
   exit 2
 fi
 
+# The launch environment; its mistakes fail here in one line, before any install or start-up.
+env_error() {
+  echo "error: $*" >&2
+  exit 2
+}
+NGPU="${NGPU:-1}"
+NNODES="${NNODES:-1}"
+NODE_RANK="${NODE_RANK:-0}"
+LOG_RANK="${LOG_RANK:-0}"
+RDZV_ID="${RDZV_ID:-titan_thd}"
+[[ "$NGPU" =~ ^[1-9][0-9]*$ ]] || env_error "NGPU='$NGPU': expected a positive integer (processes per node)"
+[[ "$NNODES" =~ ^[1-9][0-9]*$ ]] || env_error "NNODES='$NNODES': expected a positive integer (nodes in the job)"
+[[ "$NODE_RANK" =~ ^(0|[1-9][0-9]*)$ ]] || env_error "NODE_RANK='$NODE_RANK': expected an integer 0..NNODES-1"
+((NODE_RANK < NNODES)) || env_error "NODE_RANK=$NODE_RANK with NNODES=$NNODES: expected 0 <= NODE_RANK < NNODES"
+if [[ -z "${RDZV_ENDPOINT:-}" ]]; then
+  if ((NNODES == 1)) || [[ -n "${COMM_MODE:-}" ]]; then
+    RDZV_ENDPOINT="localhost:0" # torchrun picks a free port (COMM_MODE: no rendezvous at all)
+  elif [[ -n "${MASTER_ADDR:-}" ]]; then
+    RDZV_ENDPOINT="$MASTER_ADDR:${MASTER_PORT:-29500}"
+  else
+    env_error "NNODES=$NNODES needs RDZV_ENDPOINT=host:port (or MASTER_ADDR), an address of node 0 every node reaches"
+  fi
+fi
+[[ "$RDZV_ENDPOINT" =~ ^.+:[0-9]+$ ]] || env_error "RDZV_ENDPOINT='$RDZV_ENDPOINT': expected host:port"
+# Port 0 means "any free port", which only the host itself would know.
+if ((NNODES > 1)) && [[ -z "${COMM_MODE:-}" && "$RDZV_ENDPOINT" =~ :0+$ ]]; then
+  env_error "RDZV_ENDPOINT='$RDZV_ENDPOINT': NNODES=$NNODES needs a fixed port that every node knows"
+fi
+
 "$ROOT/scripts/setup_env.sh"
 VENV="${TITAN_THD_VENV:-$ROOT/.venv}"
-NGPU="${NGPU:-1}"
-LOG_RANK="${LOG_RANK:-0}"
 # Config errors surface here in a fraction of a second, without torchrun's failure report.
 "$VENV/bin/python" -m titan_thd.config --job.config_file "$config_file" "${args[@]}" >/dev/null
+if ((NGPU * NNODES != 1)) && [[ -z "${COMM_MODE:-}" ]]; then
+  # So do the data, tokenizer, layout and checkpoint errors of a multi-process run (one process per
+  # node reads them; the data cache it writes is the run's), instead of every rank's error and
+  # torchrun's report. NGPU is the world size here.
+  NGPU="$((NGPU * NNODES))" "$VENV/bin/python" -m titan_thd.train --job.config_file "$config_file" "${args[@]}" \
+    --job.preflight true
+fi
 
 if [[ -n "${COMM_MODE:-}" ]]; then
-  # No torchrun: one process plays rank 0 of an NGPU-rank world.
-  NGPU="$NGPU" exec "$VENV/bin/python" -m titan_thd.train --job.config_file "$config_file" "${args[@]}" \
-    --comm.mode "$COMM_MODE" --training.steps 1
+  # No torchrun: one process plays rank 0 of the whole NNODES x NGPU world (on any one machine;
+  # NODE_RANK and the rendezvous play no part).
+  NGPU="$((NNODES * NGPU))" exec "$VENV/bin/python" -m titan_thd.train --job.config_file "$config_file" \
+    "${args[@]}" --comm.mode "$COMM_MODE" --training.steps 1
 fi
-if [[ "$NGPU" == 1 ]]; then
+if ((NNODES == 1 && NGPU == 1)); then
   # One process needs no launcher; `kill -TERM` then reaches the trainer itself.
   exec "$VENV/bin/python" -m titan_thd.train --job.config_file "$config_file" "${args[@]}"
 fi
-"$VENV/bin/torchrun" --nproc_per_node="$NGPU" --rdzv_backend c10d --rdzv_endpoint="localhost:0" \
+# c10d rendezvous: node 0 hosts its store at RDZV_ENDPOINT and the others connect to it (and keep
+# retrying until it is there). Saying so (is_host) rather than letting torchrun guess from the
+# hostname makes a busy port on node 0 an error, not a connection to whatever holds the port.
+# (torchrun's --node-rank only applies to its static rendezvous.)
+is_host=false
+if ((NODE_RANK == 0)); then is_host=true; fi
+# torchrun answers a SIGTERM of its own by killing its ranks after a 30 s grace and exiting 1, and
+# SLURM signals every process of a job step, torchrun included. So torchrun runs with SIGTERM
+# caught and dropped (a Python handler, unlike an ignored signal, does not pass on to the ranks)
+# and stops on SIGINT instead, also before its ranks exist (a background job ignores SIGINT).
+torchrun=("$VENV/bin/python" -c 'import signal, sys
+from torch.distributed.run import main
+signal.signal(signal.SIGTERM, lambda *_: None)
+signal.signal(signal.SIGINT, lambda *_: sys.exit(130))
+sys.argv[0] = "torchrun"
+sys.exit(main())')
+"${torchrun[@]}" --signals-to-handle SIGINT,SIGHUP,SIGQUIT --nnodes="$NNODES" --nproc-per-node="$NGPU" \
+  --rdzv-backend c10d --rdzv-endpoint="$RDZV_ENDPOINT" --rdzv-id="$RDZV_ID" --rdzv-conf="is_host=$is_host" \
   --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
   -m titan_thd.train --job.config_file "$config_file" "${args[@]}" &
 launcher=$!
 # SIGTERM goes to the ranks (torchrun's children), not to torchrun: each rank finishes its step,
-# saves a checkpoint and exits 0, and torchrun then exits 0 too. (torchrun itself would answer a
-# SIGTERM with a SignalException, exit 1, and kill ranks still saving after its shutdown timeout.)
-# Before the ranks exist there is nothing to save: then torchrun gets it.
-trap 'pkill -TERM -P "$launcher" || kill -TERM "$launcher" 2>/dev/null || true' TERM
+# saves a checkpoint and exits 0, and torchrun then exits 0 too. Before the ranks exist there is
+# nothing to save: then torchrun gets SIGINT and stops.
+trap 'pkill -TERM -P "$launcher" || kill -INT "$launcher" 2>/dev/null || true' TERM
 status=0
 wait "$launcher" || status=$?
 while kill -0 "$launcher" 2>/dev/null; do # `wait` returns early when the trap runs

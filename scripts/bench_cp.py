@@ -2,7 +2,7 @@
 
 One function per model family fills one report; `MODEL_BENCHES` lists them (`--model` picks).
 
-dsv4 (contiguous CP with halo exchange, research dsv4_architecture.md §9.2), per layer and
+dsv4 (contiguous CP with halo exchange, docs/dsv4.md §9.2), per layer and
 microbatch, summed over the CP group, forward + backward:
   contiguous  halo rows x d (P2P to rank r+1; the gradient comes back) + the all-gather of the
               compressed KV (capacity ceil(T_local / m) rows x D per rank) and, for CSA, of the

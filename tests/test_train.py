@@ -167,7 +167,7 @@ def test_attention_cost_weight_reads_the_flops_formula(trainer):
         (
             "1",
             ["--model.name", "dsv4", "--model.flavor", "micro", "--model.hf_path", "/ckpt"],
-            r"/ckpt/config.json does not exist",
+            r"model.hf_path = '/ckpt': the folder does not exist",
         ),
         (
             "1",
@@ -232,7 +232,8 @@ def test_hf_checkpoint_initialises_the_trainer_model(tmp_path, hf_checkpoint):
 def test_hf_checkpoint_of_another_architecture_or_vocab_is_refused(tmp_path, hf_checkpoint):
     _, path = hf_checkpoint
     with pytest.raises(
-        ValueError, match=r"config.json does not match the given args: .*dim: checkpoint 128 vs"
+        ValueError,
+        match=r"config.json does not match model.flavor = 'tiny': .*dim: checkpoint 128 vs",
     ):
         Trainer(_dsv4_cfg(tmp_path, path, flavor="tiny"))
     small = tmp_path / "small_vocab"

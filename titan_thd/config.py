@@ -15,6 +15,7 @@ import ast
 import dataclasses
 import difflib
 import json
+import os
 import sys
 import typing
 from dataclasses import dataclass, field, fields
@@ -38,6 +39,10 @@ class Job:
     """Free text shown in the log header."""
     print_config: bool = False
     """Print the merged configuration as TOML and exit."""
+    preflight: bool = False
+    """Check the inputs of a run of NGPU processes (env, default 1) in this one process and exit: config and
+    layout, tokenizer, data (tokenised into the cache the run reuses), Hugging Face config, checkpoint to
+    resume. run_train.sh does this before torchrun, so an input error is one line."""
 
 
 @dataclass
@@ -356,9 +361,18 @@ def _apply(cfg: Config, key: str, value: Any, from_cli: bool, origin: str) -> No
 
 def _load_toml(cfg: Config, path: Path) -> None:
     try:
-        data = tomllib.loads(path.read_text())
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ValueError(f"config file not found: {path}") from None
+    except IsADirectoryError:
+        raise ValueError(f"job.config_file: {path} is a folder, expected a TOML file") from None
+    except UnicodeDecodeError as e:
+        line = e.object[: e.start].count(b"\n") + 1
+        raise ValueError(
+            f"{path}:{line}: not UTF-8 text (byte 0x{e.object[e.start]:02x}), expected TOML"
+        ) from None
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read: {e}") from None
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"{path}: invalid TOML: {e}") from None
     for section, table in data.items():
@@ -571,6 +585,9 @@ def help_text() -> str:
             lines.append(f"  --{key}{choices} (default: {default!r})")
             lines.append(f"      {docs.get(key, '')}")
         lines.append("")
+    lines.append(
+        "Errors in the input are one `error:` line (exit code 2); TITAN_THD_DEBUG=1 shows the traceback."
+    )
     return "\n".join(lines)
 
 
@@ -589,6 +606,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(argv)
     except ValueError as e:
+        if os.environ.get("TITAN_THD_DEBUG", "") not in ("", "0"):
+            raise
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(to_toml(cfg))

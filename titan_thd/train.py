@@ -3,7 +3,7 @@
     ./run_train.sh --config debug_dense_thd.toml            # torchrun -> main() -> Trainer
     python -m titan_thd.train --help                         # every config field with its doc
 
-Loss (DESIGN.md section 3.5): every microbatch backpropagates
+Loss (docs/design.md §3.5): every microbatch backpropagates
     (sum of token cross-entropy over its trained tokens + its aux-loss sums) / N
 where N is the GLOBAL number of trained tokens of the optimizer step (all microbatches, all data-
 and context-parallel ranks), known to every rank from the step's plan. Nothing else divides: FSDP
@@ -94,51 +94,11 @@ class Trainer:
         t, p = cfg.training, cfg.parallelism
 
         # Everything a user can get wrong is checked here, before any process group exists.
-        validate(cfg)
-        self.spec = get_model_spec(cfg.model.name)
-        flavor_args = get_model_args(cfg.model.name, cfg.model.flavor)
-        if p.context_parallel_degree > 1 and p.context_parallel_mode not in self.spec.cp_modes:
-            raise ValueError(
-                f"parallelism.context_parallel_mode = {p.context_parallel_mode}: model {cfg.model.name} "
-                f"computes only {', '.join(self.spec.cp_modes)} exactly"
-            )
-        init_from_hf = self.spec.hooks.get("init_from_hf")
-        if cfg.model.hf_path and init_from_hf is None:
-            raise ValueError(
-                f"model.hf_path = {cfg.model.hf_path!r}: model {cfg.model.name} cannot be initialised from a "
-                "Hugging Face checkpoint (its ModelSpec has no init_from_hf hook); leave model.hf_path empty"
-            )
-        self.tokenizer = build_tokenizer(cfg.data.tokenizer)
-        model_overrides = {
-            f.name: getattr(cfg.model, f.name)
-            for f in dataclasses.fields(cfg.model)
-            if f.name not in _NOT_MODEL_ARGS and hasattr(flavor_args, f.name)
-        }
-        if cfg.model.hf_path:  # the checkpoint fixes the embedding size
-            vocab_size = hf_vocab_size(cfg.model.hf_path, self.tokenizer.vocab_size)
-        else:  # a multiple of 64 rows (matmul-friendly; the extra ids are never seen)
-            vocab_size = -(-self.tokenizer.vocab_size // 64) * 64
-        self.model_args = dataclasses.replace(flavor_args, vocab_size=vocab_size, **model_overrides)
-        local_T = t.tokens_per_microbatch // p.context_parallel_degree
-        min_local_T = self.spec.min_tokens_per_cp_rank(self.model_args)
-        if local_T < min_local_T:
-            raise ValueError(
-                f"training.tokens_per_microbatch = {t.tokens_per_microbatch} / context_parallel_degree = "
-                f"{p.context_parallel_degree} leaves {local_T} tokens per CP rank; model {cfg.model.name} "
-                f"{cfg.model.flavor} needs at least {min_local_T}"
-            )
         fake = cfg.comm.mode == "fake"
-        world_size = int(os.environ.get("NGPU" if fake else "WORLD_SIZE", "1"))
-        self.parallel_dims = ParallelDims.from_config(p, world_size)
-        self.parallel_dims.check_implemented()
-        pp_layers = None  # pipeline parallelism: each stage's layer ids, checked before any process group
-        if self.parallel_dims.pp_enabled:
-            pp_layers = pipeline.stage_layers(
-                self.model_args.n_layers,
-                p.pipeline_parallel_degree,
-                p.pipeline_parallel_layers_per_stage,
-                p.pipeline_parallel_stage_layers,
-            )
+        world_size = _env_world_size("NGPU" if fake else "WORLD_SIZE")
+        self.spec, self.tokenizer, self.model_args, self.parallel_dims = check_inputs(cfg, world_size)
+        init_from_hf = self.spec.hooks.get("init_from_hf")
+        pp_layers = pipeline_stage_layers(cfg, self.model_args)  # None without pipeline parallelism
         self.pp_layers = pp_layers
 
         self.dist = dist_utils.init_distributed(cfg.comm)
@@ -162,17 +122,14 @@ class Trainer:
             store = build_token_store(cfg.data, self.tokenizer, t.seed, cache_dir, progress=self.dist.is_main)
             if self.dist.rank == 0:
                 dist_utils.barrier()
-        self.dataloader = build_dataloader(
-            cfg.data,
+        self.dataloader = build_loader(
+            cfg,
             store,
-            dp_rank=self.parallel_dims.mesh_rank("batch"),
-            dp_size=self.parallel_dims.dp,
-            cp_size=self.parallel_dims.cp,
-            tokens_per_microbatch=t.tokens_per_microbatch,
-            global_batch_size=t.global_batch_size,
-            seed=t.seed,
-            planner=t.planner,
-            cost_attention=t.planner_cost_attention or attention_cost_weight(self.spec, self.model_args),
+            self.parallel_dims,
+            self.parallel_dims.mesh_rank("batch"),
+            self.spec,
+            self.model_args,
+            self.tokenizer,
         )
 
         # Full weights on CPU from the seed, then sharded: the same seed gives the same model on
@@ -472,19 +429,187 @@ def progress_line(step: int, last_step: int, recent_step_times: collections.abc.
 
 def hf_vocab_size(path: str, tokenizer_vocab: int) -> int:
     """`vocab_size` of a Hugging Face checkpoint's config.json (it must cover the tokenizer's ids)."""
-    cfg_file = Path(path) / "config.json"
+    folder, cfg_file = Path(path), Path(path) / "config.json"
+    if not folder.is_dir():
+        raise ValueError(f"model.hf_path = {path!r}: the folder does not exist (or is not a folder)")
     try:
-        vocab = int(json.loads(cfg_file.read_text())["vocab_size"])
+        vocab = json.loads(cfg_file.read_text(encoding="utf-8"))["vocab_size"]
     except FileNotFoundError:
         raise ValueError(f"model.hf_path = {path!r}: {cfg_file} does not exist") from None
-    except (KeyError, TypeError, ValueError) as e:
-        raise ValueError(f"model.hf_path: {cfg_file} has no integer vocab_size ({e!r})") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"model.hf_path: {cfg_file}: invalid JSON: {e}") from None
+    except (KeyError, TypeError):
+        raise ValueError(f"model.hf_path: {cfg_file} has no vocab_size") from None
+    if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1:
+        raise ValueError(f"model.hf_path: {cfg_file}: vocab_size = {vocab!r}, expected a positive integer")
     if vocab < tokenizer_vocab:
         raise ValueError(
             f"model.hf_path: {cfg_file} has vocab_size = {vocab}, fewer rows than the tokenizer's "
             f"{tokenizer_vocab} ids (data.tokenizer must be the checkpoint's tokenizer)"
         )
     return vocab
+
+
+def _env_world_size(name: str) -> int:
+    value = os.environ.get(name, "1")
+    try:
+        world_size = int(value)
+    except ValueError:
+        world_size = 0
+    if world_size < 1:
+        raise ValueError(f"environment variable {name} = {value!r}: expected a positive integer (processes)")
+    return world_size
+
+
+def _check_folder(key: str, value: str, folder: Path, writable: bool = False) -> None:
+    """ValueError when `folder` (created when missing) cannot be one: it or a parent is not a folder."""
+    for p in (folder, *folder.absolute().parents):
+        if not p.exists():
+            continue
+        if not p.is_dir():
+            raise ValueError(f"{key} = {value!r}: {p} exists and is not a folder")
+        if writable and not os.access(p, os.W_OK | os.X_OK):
+            raise ValueError(f"{key} = {value!r}: {p} is not writable")
+        return
+
+
+def check_inputs(cfg: Config, world_size: int) -> tuple[ModelSpec, Tokenizer, Any, ParallelDims]:
+    """(spec, tokenizer, model args, parallel dims) of `cfg` on `world_size` processes: every check that
+    needs no process group, no data and no weights (ValueError naming the field, the value and what is
+    allowed)."""
+    t, p, job = cfg.training, cfg.parallelism, cfg.job
+    validate(cfg)
+    spec = get_model_spec(cfg.model.name)
+    flavor_args = get_model_args(cfg.model.name, cfg.model.flavor)
+    if p.context_parallel_degree > 1 and p.context_parallel_mode not in spec.cp_modes:
+        raise ValueError(
+            f"parallelism.context_parallel_mode = {p.context_parallel_mode}: model {cfg.model.name} "
+            f"computes only {', '.join(spec.cp_modes)} exactly"
+        )
+    if cfg.model.hf_path and spec.hooks.get("init_from_hf") is None:
+        raise ValueError(
+            f"model.hf_path = {cfg.model.hf_path!r}: model {cfg.model.name} cannot be initialised from a "
+            "Hugging Face checkpoint (its ModelSpec has no init_from_hf hook); leave model.hf_path empty"
+        )
+    _check_folder("job.dump_folder", job.dump_folder, Path(job.dump_folder), writable=True)
+    if cfg.data.source != "packed":
+        key = "data.cache_dir" if cfg.data.cache_dir else "job.dump_folder"
+        cache_dir = cfg.data.cache_dir or os.path.join(job.dump_folder, "data_cache")
+        _check_folder(key, cfg.data.cache_dir or job.dump_folder, Path(cache_dir))
+    if cfg.checkpoint.enable:
+        folder = Path(job.dump_folder) / cfg.checkpoint.folder
+        _check_folder("checkpoint.folder", cfg.checkpoint.folder, folder)
+    tokenizer = build_tokenizer(cfg.data.tokenizer)
+    model_overrides = {
+        f.name: getattr(cfg.model, f.name)
+        for f in dataclasses.fields(cfg.model)
+        if f.name not in _NOT_MODEL_ARGS and hasattr(flavor_args, f.name)
+    }
+    if cfg.model.hf_path:  # the checkpoint fixes the embedding size
+        vocab_size = hf_vocab_size(cfg.model.hf_path, tokenizer.vocab_size)
+    else:  # a multiple of 64 rows (matmul-friendly; the extra ids are never seen)
+        vocab_size = -(-tokenizer.vocab_size // 64) * 64
+    model_args = dataclasses.replace(flavor_args, vocab_size=vocab_size, **model_overrides)
+    check_hf = spec.hooks.get("check_hf")
+    if cfg.model.hf_path and check_hf is not None:  # config.json only: before any weight is built or read
+        check_hf(model_args, cfg.model.hf_path, f"model.flavor = {cfg.model.flavor!r}")
+    local_T = t.tokens_per_microbatch // p.context_parallel_degree
+    min_local_T = spec.min_tokens_per_cp_rank(model_args)
+    if local_T < min_local_T:
+        raise ValueError(
+            f"training.tokens_per_microbatch = {t.tokens_per_microbatch} / context_parallel_degree = "
+            f"{p.context_parallel_degree} leaves {local_T} tokens per CP rank; model {cfg.model.name} "
+            f"{cfg.model.flavor} needs at least {min_local_T}"
+        )
+    try:
+        dims = ParallelDims.from_config(p, world_size)
+    except ValueError as e:
+        raise ValueError(
+            f"parallelism (data_parallel_shard_degree {p.data_parallel_shard_degree}, context_parallel_degree "
+            f"{p.context_parallel_degree}, tensor_parallel_degree {p.tensor_parallel_degree}, "
+            f"pipeline_parallel_degree {p.pipeline_parallel_degree}) does not fit {world_size} processes: {e}"
+        ) from None
+    dims.check_implemented()
+    pipeline_stage_layers(cfg, model_args)
+    return spec, tokenizer, model_args, dims
+
+
+def pipeline_stage_layers(cfg: Config, model_args: Any) -> list[list[int]] | None:
+    """Each pipeline stage's layer ids (ValueError for a split the model cannot have); None at pp 1."""
+    p = cfg.parallelism
+    if p.pipeline_parallel_degree == 1:
+        return None
+    return pipeline.stage_layers(
+        model_args.n_layers,
+        p.pipeline_parallel_degree,
+        p.pipeline_parallel_layers_per_stage,
+        p.pipeline_parallel_stage_layers,
+    )
+
+
+def build_loader(
+    cfg: Config,
+    store,
+    dims: ParallelDims,
+    dp_rank: int,
+    spec: ModelSpec,
+    model_args: Any,
+    tokenizer: Tokenizer,
+) -> THDDataLoader:
+    """The data loader of replica `dp_rank` (`store`: None for data.source = packed); ValueError when an
+    offline pack was made with another tokenizer than data.tokenizer."""
+    t = cfg.training
+    loader = build_dataloader(
+        cfg.data,
+        store,
+        dp_rank=dp_rank,
+        dp_size=dims.dp,
+        cp_size=dims.cp,
+        tokens_per_microbatch=t.tokens_per_microbatch,
+        global_batch_size=t.global_batch_size,
+        seed=t.seed,
+        planner=t.planner,
+        cost_attention=t.planner_cost_attention or attention_cost_weight(spec, model_args),
+    )
+    rows = getattr(loader.steps, "rows", None)
+    if rows is not None and (rows.vocab_size, rows.pad_id) != (tokenizer.vocab_size, tokenizer.pad_id):
+        raise ValueError(
+            f"data.path = {cfg.data.path!r} was packed with tokenizer {rows.metadata.get('tokenizer')!r} "
+            f"(vocab_size {rows.vocab_size}, pad id {rows.pad_id}), but data.tokenizer = {cfg.data.tokenizer!r} "
+            f"has vocab_size {tokenizer.vocab_size}, pad id {tokenizer.pad_id}: repack with this tokenizer"
+        )
+    return loader
+
+
+def preflight(cfg: Config) -> None:
+    """Read what a run of NGPU processes (env, default 1) would read before its first step, in this one
+    process and without a process group: the configuration and layout, the tokenizer, the data (tokenised
+    into the cache that the run then reuses), the Hugging Face config, the checkpoint to resume.
+    run_train.sh runs it before torchrun, so that an input error is one line and not torchrun's failure
+    report."""
+    spec, tokenizer, model_args, dims = check_inputs(cfg, _env_world_size("NGPU"))
+    store = None
+    if cfg.data.source != "packed":
+        cache_dir = cfg.data.cache_dir or os.path.join(cfg.job.dump_folder, "data_cache")
+        store = build_token_store(cfg.data, tokenizer, cfg.training.seed, cache_dir, progress=True)
+    one_process = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, num_workers=0))
+    build_loader(one_process, store, dims, 0, spec, model_args, tokenizer)
+    if cfg.checkpoint.enable:  # the fingerprint has global shapes: a model on the meta device has them
+        model = build_on_meta(lambda: spec.build(model_args))
+        checkpointer = CheckpointManager(
+            cfg.checkpoint,
+            cfg.job.dump_folder,
+            model_parts=[model],
+            optimizers=[],
+            lr_schedulers=[],
+            states={},
+            fingerprint=model_fingerprint([model], model=cfg.model.name, flavor=cfg.model.flavor),
+        )
+        try:
+            checkpointer.check_resumable()
+        finally:
+            checkpointer.close()
+    logger.info("preflight: inputs of a %d-process run are fine", dims.world_size)
 
 
 def attention_cost_weight(spec: ModelSpec, args: Any) -> float:
@@ -497,6 +622,24 @@ def attention_cost_weight(spec: ModelSpec, args: Any) -> float:
     b = (f2 / l2 - f1 / l1) / (l2 - l1)
     a = f1 / l1 - b * l1
     return max(0.0, b / a)
+
+
+# What bad input raises (a wrong value, a missing or unreadable file): main() prints it as one
+# `error:` line and exits with 2; anything else is a bug and keeps its traceback.
+USER_ERRORS = (
+    ValueError,
+    FileNotFoundError,
+    FileExistsError,
+    IsADirectoryError,
+    NotADirectoryError,
+    PermissionError,
+)
+DEBUG_ENV = "TITAN_THD_DEBUG"
+"""Environment variable: `TITAN_THD_DEBUG=1` shows the traceback of user errors too."""
+
+
+def debug_enabled() -> bool:
+    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -514,12 +657,17 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.job.print_config:
             print(to_toml(cfg))
             return 0
+        if cfg.job.preflight:
+            preflight(cfg)
+            return 0
         trainer = Trainer(cfg)
         trainer.train()
         # A rank that finished its last collective may not leave before the others have too:
         # tearing the process group down under a peer's pending receive aborts that peer.
         dist_utils.barrier()
-    except ValueError as e:  # user errors: the message says what to fix, a traceback would not
+    except USER_ERRORS as e:  # the message says what to fix, a traceback would not
+        if debug_enabled():
+            raise
         print(f"error: {e}", file=sys.stderr)
         return 2
     finally:

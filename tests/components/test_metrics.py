@@ -6,7 +6,7 @@ import torch
 from titan_thd.components import metrics as M
 from titan_thd.config import Metrics
 
-# The metrics.jsonl contract (DESIGN.md): every record has at least these keys.
+# The metrics.jsonl contract (docs/design.md §3.6): every record has at least these keys.
 REQUIRED_KEYS = {
     "step",
     "loss",

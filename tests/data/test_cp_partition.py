@@ -1,4 +1,4 @@
-"""CP split tests: worked vectors of megatron_thd_spec.md sections 3.1 / 3.2 and a per-document
+"""CP split tests: worked vectors of docs/thd_reference.md §3.1 / §3.2 and a per-document
 reference loop for zigzag."""
 
 import itertools

@@ -10,7 +10,7 @@ def dist(lo, hi, mean, sigma, **extra):
 
 
 def test_lognormal_vectors_from_the_spec():
-    # megatron_thd_spec.md section 6.1 (numpy legacy RNG, seed 0)
+    # docs/thd_reference.md §6.1 (numpy legacy RNG, seed 0)
     lengths = mock_lengths(dist(1024, 2048, 1536, 1.1), 8, seed=0)
     assert lengths.dtype == np.int64
     assert lengths.tolist() == [2048, 1302, 2048, 2048, 2048, 1024, 2048, 1024]

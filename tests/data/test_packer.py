@@ -1,4 +1,4 @@
-"""Packer tests against the worked layout of megatron_thd_spec.md section 2.5 and a naive
+"""Packer tests against the worked layout of docs/thd_reference.md §2.5 and a naive
 per-document reference builder (plain Python loops, written from the packed_batch.py contract)."""
 
 import numpy as np

@@ -1,4 +1,4 @@
-"""Planner tests: Megatron dp_balanced vectors (megatron_thd_spec.md sections 1.2 and 10.1), and the
+"""Planner tests: Megatron dp_balanced vectors (docs/thd_reference.md §1.2), and the
 balanced planner against its contract and a brute-force optimum on tiny inputs."""
 
 import importlib.util

@@ -49,13 +49,19 @@ def test_sharegpt_role_mapping():
     turns = [
         ("human", "user"), ("USER", "user"), ("gpt", "assistant"), ("assistant", "assistant"),
         ("model", "assistant"), ("chatgpt", "assistant"), ("bing", "assistant"), ("bard", "assistant"),
-        ("tool", "tool"), ("function", "tool"), ("observation", "tool"), ("narrator", "user"), (None, "user"),
+        ("tool", "tool"), ("function", "tool"), ("observation", "tool"), (None, "user"),
     ]  # fmt: skip
     rec = {"conversations": [{"from": f, "value": f"v{i}"} for i, (f, _) in enumerate(turns)]}
     out = normalise(rec, "sharegpt", "f:1")["messages"]
     assert out[0] == SYS
     assert [m["role"] for m in out[1:]] == [r for _, r in turns]
     assert [m["content"] for m in out[1:]] == [f"v{i}" for i in range(len(turns))]
+    # A role it does not know is refused, not guessed (a wrong guess trains the wrong turns).
+    rec = {"conversations": [{"from": "human", "value": "q"}, {"from": "narrator", "value": "n"}]}
+    with pytest.raises(
+        ValueError, match=r"f:1: conversations\[1\].from: unknown role 'narrator'; expected one of human"
+    ):
+        normalise(rec, "sharegpt", "f:1")
 
 
 def test_sharegpt_system_turn_and_top_level_system():

@@ -1,4 +1,4 @@
-"""Llama FLOPs against the Megatron THD formula and its worked numbers (megatron_thd_spec.md section 5)."""
+"""Llama FLOPs against the Megatron THD formula and its worked numbers (docs/thd_reference.md §5)."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ LLAMA3_8B = {
     "ffn": 14336,
     "vocab": 128256,
 }
-WORKED = [  # (document lengths, T, sum of squares, FLOPs) from megatron_thd_spec.md section 5
+WORKED = [  # (document lengths, T, sum of squares, FLOPs) from docs/thd_reference.md §5
     ([5, 9, 3], 17, 115, 765_565_599_744),
     ([8, 12, 4], 24, 224, 1_080_846_974_976),
     ([8192], 8192, 67_108_864, 421_645_529_382_912),
@@ -75,7 +75,7 @@ def test_attention_counts_sum_of_squares_not_square_of_sum():
     args = args_of(LLAMA3_8B)
     one, eight = flops_per_step(args, [8192]), flops_per_step(args, [1024] * 8)
     linear = 8192 * flops_per_token_linear(args)
-    assert (one - linear) == pytest.approx(0.125 * one, rel=2e-3)  # attention 12.5 % (section 5 table)
+    assert (one - linear) == pytest.approx(0.125 * one, rel=2e-3)  # 12.5 % (docs/thd_reference.md §5)
     assert (one - linear) == 8 * (eight - linear)  # 8192^2 = 8 * (8 * 1024^2)
 
 

@@ -1,5 +1,5 @@
-"""zigzag_attention's per-microbatch plan on the worked layout of research megatron_thd_spec.md §2.5
-/ §3.1 (no process group needed: the plan is built before any collective), and its refusals.
+"""zigzag_attention's per-microbatch plan on the worked layout of docs/thd_reference.md §2.5 / §3.1
+(no process group needed: the plan is built before any collective), and its refusals.
 The numerical parity on 2 and 4 gloo processes lives in tests/models/test_llama_cp.py."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from titan_thd.models.batch_meta import BatchMeta, CPContext
 from titan_thd.ops.cp_attention import zigzag_attention, zigzag_plan
 from titan_thd.ops.varlen_attention import varlen_attention
 
-# §2.5: real lengths 5, 9, 3 padded to 8, 12, 4 (cp = 2), T = 24; §3.1: the rows of each rank.
+# docs/thd_reference.md §2.5 / §3.1: lengths 5, 9, 3 padded to 8, 12, 4 (cp = 2), T = 24; each rank's rows.
 RANK_ROWS = [[0, 1, 6, 7, 8, 9, 10, 17, 18, 19, 20, 23], [2, 3, 4, 5, 11, 12, 13, 14, 15, 16, 21, 22]]
 # (q_rows, k_rows) of the (early, late) chunk of every document: rank 0 holds chunks 0 and 3, rank 1
 # chunks 1 and 2. E.g. document 0 (S = 2): chunk 2 is positions 4, 5 of which only 4 is real, and it

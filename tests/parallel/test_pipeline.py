@@ -125,7 +125,7 @@ class _Logits(torch.nn.Module):
 
 def _torch_1f1b(stage, rank: int, world_size: int, group, mbs: list, n: int) -> float:
     """torch.distributed.pipelining's Schedule1F1B over a STATIC stage, built anew for this K
-    (research note A3-A4: the only way its microbatch count can change between steps)."""
+    (docs/cpu.md §4.3: one schedule object cannot change its microbatch count or shapes)."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
     def empty(*shape):
@@ -148,7 +148,7 @@ def _torch_1f1b(stage, rank: int, world_size: int, group, mbs: list, n: int) -> 
         loss_fn=lambda logits, mb: cross_entropy_sum(logits, mb.labels, mb.loss_mask) / n,
         scale_grads=False,
     )
-    pipe_stage.has_backward = True  # what step() sets before _step_microbatches (research G2)
+    pipe_stage.has_backward = True  # what step() sets: without it backward is silently skipped
     pipe_stage.clear_runtime_states()
     sched._step_microbatches(
         [(mb.tokens,) if first else () for mb in mbs],

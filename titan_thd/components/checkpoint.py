@@ -309,6 +309,8 @@ class CheckpointManager:
             raise ValueError(
                 f"checkpoint {path}: {META_FILE} is missing (not written by titan_thd?)"
             ) from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path / META_FILE}: invalid JSON: {e}") from None
         diffs = fingerprint_differences(meta["fingerprint"], self.fingerprint)
         if diffs:
             raise ValueError(f"checkpoint {path} was saved from another model:\n  " + "\n  ".join(diffs))
@@ -333,6 +335,13 @@ class CheckpointManager:
         if missing:
             shown = ", ".join(missing[:8]) + (f" ... ({len(missing)} in all)" if len(missing) > 8 else "")
             raise ValueError(f"checkpoint {path} lacks entries this run needs: {shown}")
+
+    def check_resumable(self) -> None:
+        """ValueError now when `load()` would refuse its checkpoint: checkpoint.load_step not saved, or
+        the checkpoint saved from another model (a preflight, without loading anything)."""
+        step = self._resume_step() if self.enabled else None
+        if step is not None:
+            self._read_meta(self.step_dir(step))
 
     def load(self) -> int:
         """Restore the newest complete checkpoint (or `checkpoint.load_step`); the step, 0 if none."""

@@ -1,4 +1,4 @@
-"""Token cross-entropy as a SUM over trained tokens (DESIGN.md section 3.5).
+"""Token cross-entropy as a SUM over trained tokens (docs/design.md §3.5).
 
 The trainer divides the sum once by the global number of trained tokens of the optimizer step
 (all microbatches, all data- and context-parallel ranks). Returning a sum rather than a mean keeps

@@ -1,6 +1,6 @@
 """Per-step metrics: console line, TensorBoard scalars and `<dump_folder>/metrics.jsonl`.
 
-Definitions (DESIGN.md section 3.6). Token counts are global (all data-parallel replicas):
+Definitions (docs/design.md §3.6). Token counts are global (all data-parallel replicas):
     loss          token-mean cross-entropy of the step (the language-model loss; aux losses,
                   already normalised by the same trained-token count, are logged as `aux/<name>`
                   and added to it for the gradient)

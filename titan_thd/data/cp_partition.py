@@ -1,4 +1,4 @@
-"""Context-parallel split of one packed microbatch (DESIGN.md section 3.3).
+"""Context-parallel split of one packed microbatch (docs/design.md §3.3).
 
 - zigzag: every document (physical length a multiple of 2*cp) is cut into 2*cp equal chunks; rank
   r takes chunks r and 2*cp-1-r of every document, document by document (Transformer Engine's

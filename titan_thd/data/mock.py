@@ -1,6 +1,6 @@
 """Mock dataset: sample lengths from a distribution or a CSV file, tokens generated on demand.
 
-Distribution mode (Megatron's `MockSFTLowLevelDataset`, megatron_thd_spec.md section 6.1):
+Distribution mode (Megatron's `MockSFTLowLevelDataset`, docs/thd_reference.md §6.1):
     {mode = "distribution", type = "lognormal", min_seq_len, max_seq_len, mean_seq_len, lognormal_sigma}
     mu = ln(mean_seq_len) - sigma^2 / 2, lengths = lognormal(mu, sigma) drawn with numpy's legacy
     `RandomState(seed)`, clipped to [min_seq_len, max_seq_len], truncated to int. The clip makes
@@ -37,7 +37,12 @@ def mock_lengths(mock_config: dict, num_samples: int, seed: int) -> np.ndarray:
         return _lognormal_lengths(mock_config, num_samples or DEFAULT_NUM_SAMPLES, seed)
     if mode == "file":
         _check_keys(mock_config, _FILE_KEYS)
-        lengths = read_lengths_csv(mock_config["path"])
+        path = mock_config["path"]
+        if not isinstance(path, str) or not path:
+            raise ValueError(
+                f"data.mock_config.path: got {path!r}, expected a string (a CSV file of lengths)"
+            )
+        lengths = read_lengths_csv(path)
         if num_samples:
             lengths = np.resize(lengths, num_samples)
         return lengths

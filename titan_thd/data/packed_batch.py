@@ -1,4 +1,4 @@
-"""PackedBatch: one THD microbatch for one data-parallel replica (DESIGN.md section 3.1).
+"""PackedBatch: one THD microbatch for one data-parallel replica (docs/design.md §3.1).
 
 Legend (token-major, no batch dimension):
     T   tokens in the microbatch (fixed by `training.tokens_per_microbatch`)

@@ -1,4 +1,4 @@
-"""Offline packing (megatron_thd_spec.md section 7): documents -> rows of T tokens, in Parquet.
+"""Offline packing (docs/thd_reference.md §7): documents -> rows of T tokens, in Parquet.
 
 Written by `scripts/prepare_packed_data.py`, read for `data.source = "packed"`. A pack is a folder:
 
@@ -166,7 +166,7 @@ class PackedRows:
         self.pad_to_multiple = int(metadata["pad_to_multiple"])
         self.pad_id, self.vocab_size = int(metadata["pad_id"]), int(metadata["vocab_size"])
         self._ids, self._tok_off = _flat(table.column("input_ids"))
-        self._mask, _ = _flat(table.column("target_mask"))
+        self._mask, self._mask_off = _flat(table.column("target_mask"))
         self._doc_len, self._doc_off = _flat(table.column("doc_lengths"))
         self._doc_len = self._doc_len.astype(np.int64)
         self._mask = self._mask.astype(bool)
@@ -176,6 +176,32 @@ class PackedRows:
 
     def __len__(self) -> int:
         return self._tok_off.size - 1
+
+    def check(self, where: Path) -> None:
+        """ValueError naming the first inconsistent row of a damaged pack, or a pack with no trained token."""
+        row_tokens = np.diff(self._tok_off)
+        doc_cum = np.concatenate([[0], np.cumsum(self._doc_len)])
+        doc_tokens = doc_cum[self._doc_off[1:]] - doc_cum[self._doc_off[:-1]]
+        bad = np.flatnonzero(
+            (row_tokens != doc_tokens) | (row_tokens > self.T) | (np.diff(self._mask_off) != row_tokens)
+        )
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(
+                f"{where}: row {i} is inconsistent: {int(row_tokens[i])} input_ids, "
+                f"{int(self._mask_off[i + 1] - self._mask_off[i])} target_mask entries, doc_lengths summing to "
+                f"{int(doc_tokens[i])}, T = {self.T} (a damaged pack; repack it)"
+            )
+        if self._ids.size and (int(self._ids.min()) < 0 or int(self._ids.max()) >= self.vocab_size):
+            raise ValueError(
+                f"{where}: token ids span {int(self._ids.min())}..{int(self._ids.max())}, outside the pack's "
+                f"vocab_size = {self.vocab_size} (a damaged pack; repack it)"
+            )
+        if len(self) == 0 or int(self.num_targets.sum()) == 0:
+            raise ValueError(
+                f"{where}: nothing to train: none of its {len(self)} rows holds a trained target token "
+                "(chat records train only assistant turns)"
+            )
 
     def doc_lengths(self, i: int) -> np.ndarray:
         return self._doc_len[self._doc_off[i] : self._doc_off[i + 1]]
@@ -201,12 +227,62 @@ def open_packed(path: str | Path, pad_to_multiple: int = 1) -> PackedRows:
             f"data.path = {path}: expected a folder with {ROWS_FILE} and {METADATA_FILE} "
             "(written by scripts/prepare_packed_data.py)"
         )
-    metadata = json.loads(meta_path.read_text())
-    if metadata.get("format") != FORMAT:
-        raise ValueError(f"{meta_path}: format {metadata.get('format')!r}, expected {FORMAT!r}")
+    metadata = _read_metadata(meta_path)
     if int(metadata["pad_to_multiple"]) % pad_to_multiple:
         raise ValueError(
             f"{meta_path}: documents were padded to a multiple of {metadata['pad_to_multiple']}, which is not a "
             f"multiple of data.pad_to_multiple = {pad_to_multiple}; repack with --pad-to-multiple {pad_to_multiple}"
         )
-    return PackedRows(folder, metadata, pq.read_table(rows_path))
+    try:
+        table = pq.read_table(rows_path)
+    except (OSError, pa.ArrowException) as e:
+        raise ValueError(f"{rows_path}: cannot read parquet: {e}") from None
+    missing = [c for c in _ROW_COLUMNS if c not in table.column_names]
+    if missing:
+        raise ValueError(
+            f"{rows_path}: columns {missing} missing (found {table.column_names}); expected {list(_ROW_COLUMNS)}"
+        )
+    for c in _ROW_COLUMNS:
+        typ = table.schema.field(c).type
+        if not pa.types.is_list(typ) or not (
+            pa.types.is_integer(typ.value_type) or pa.types.is_boolean(typ.value_type)
+        ):
+            raise ValueError(
+                f"{rows_path}: column {c!r} has type {typ}, expected a list of integers / booleans"
+            )
+    rows = PackedRows(folder, metadata, table)
+    rows.check(rows_path)
+    return rows
+
+
+# Metadata keys the reader uses, with their types.
+_METADATA_KEYS = {
+    "tokens_per_microbatch": int,
+    "pad_to_multiple": int,
+    "pad_id": int,
+    "vocab_size": int,
+    "num_truncated": int,
+    "num_dropped": int,
+}
+_ROW_COLUMNS = ("input_ids", "target_mask", "doc_lengths")
+
+
+def _read_metadata(meta_path: Path) -> dict:
+    try:
+        metadata = json.loads(meta_path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{meta_path}: invalid JSON: {e}") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{meta_path}: not UTF-8 text: {e}") from None
+    if not isinstance(metadata, dict):
+        raise ValueError(f"{meta_path}: expected a JSON object, got {type(metadata).__name__}")
+    if metadata.get("format") != FORMAT:
+        raise ValueError(f"{meta_path}: format {metadata.get('format')!r}, expected {FORMAT!r}")
+    for key, typ in _METADATA_KEYS.items():
+        value = metadata.get(key)
+        if not isinstance(value, typ) or isinstance(value, bool) or value < 0:
+            raise ValueError(
+                f"{meta_path}: {key} = {value!r}, expected a non-negative integer "
+                "(written by scripts/prepare_packed_data.py)"
+            )
+    return metadata

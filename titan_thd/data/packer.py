@@ -1,4 +1,4 @@
-"""Packer: the samples of one microbatch -> a PackedBatch of exactly T rows (DESIGN.md 3.1).
+"""Packer: the samples of one microbatch -> a PackedBatch of exactly T rows (docs/design.md §3.1).
 
 Layout (see packed_batch.py for the full contract): documents in the given order, each padded to
 a multiple of `pad_to_multiple`, then one padding document (real length 0) that fills the rest of

@@ -1,6 +1,6 @@
 """Microbatch planner: the samples of one global batch -> microbatches of every DP replica.
 
-DESIGN.md section 3.2. Both policies are pure, deterministic functions of the padded sample
+docs/design.md §3.2. Both policies are pure, deterministic functions of the padded sample
 lengths, `dp`, `cp` and `T` (the tokens of one microbatch of one DP replica before the CP split;
 Megatron's per-bin capacity C = M * cp). Every rank computes the same plan and reads only its own
 samples.
@@ -11,7 +11,7 @@ its microbatches. Under CP each of the `cp` ranks of a replica carries cost / cp
 `Plan.replica_costs` reports. `Plan.imbalance` = max / mean replica cost (1.0 = perfect).
 
 - `dp_balanced`: Megatron's order-preserving next-fit + tail splitting + round-robin
-  (megatron_thd_spec.md section 1.2), with the `i >= 0` fix and a ValueError instead of an empty
+  (docs/thd_reference.md §1.2), with the `i >= 0` fix and a ValueError instead of an empty
   bin for a sample longer than T. Token counts only; it does not balance.
 - `balanced`: minimises the slowest replica's cost with the fewest microbatches K per replica.
   For K = a lower bound, K + 1, ...: (1) greedy placement, samples by decreasing cost, each on the

@@ -1,4 +1,4 @@
-"""Which samples form the global batch of an optimizer step (DESIGN.md section 2).
+"""Which samples form the global batch of an optimizer step (docs/design.md §2).
 
 The sample order is a pure function of (dataset size, seed, step): epoch e visits the samples in a
 permutation seeded by (seed, e), the epochs are concatenated, and step s takes positions

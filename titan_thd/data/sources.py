@@ -14,14 +14,15 @@ Schema detection looks at the columns of the first record; the first rule that m
     text       a `text` column: raw text, every token trained
 
 Roles: human, user -> user; gpt, assistant, model, chatgpt, bing, bard -> assistant;
-system, developer -> system; tool, function, observation, ipython -> tool; anything else -> user
-(matched lower-cased; used for sharegpt `from` and for `messages` roles alike). Missing role ->
-user, None content -> "". A top-level string `system` field (sharegpt, alpaca) becomes the
-system turn. Among synonyms the first non-empty one wins.
+system, developer -> system; tool, function, observation, ipython -> tool (matched lower-cased;
+used for sharegpt `from` and for `messages` roles alike). Missing role -> user, None content -> "".
+A top-level string `system` field (sharegpt, alpaca) becomes the system turn. Among synonyms the
+first non-empty one wins.
 
-Refused with a ValueError (never coerced): turn content that is not a string (multi-modal
-lists), and non-string instruction / input / output / text fields. Out of scope: tool-call
-structures, oasst message trees, preference pairs.
+Refused with a ValueError (never coerced): any other role name (a guess would train the wrong
+turns), turn content that is not a string (multi-modal lists), non-string instruction / input /
+output / text fields, lines that are not UTF-8 JSON objects, unreadable gzip / Parquet files.
+Out of scope: tool-call structures, oasst message trees, preference pairs.
 """
 
 from __future__ import annotations
@@ -123,6 +124,7 @@ def _normalised(path: Path, rows: Iterator[tuple[str, dict]], fmt: str) -> Itera
 def _jsonl_rows(path: Path) -> Iterator[tuple[str, dict]]:
     with open(path, "rb") as f:
         compressed = f.read(2) == b"\x1f\x8b"
+    lineno = 0
     try:
         with gzip.open(path, "rb") if compressed else open(path, "rb") as f:
             for lineno, raw in enumerate(f, start=1):
@@ -130,14 +132,21 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[str, dict]]:
                 if not raw.strip():
                     continue
                 try:
-                    row = json.loads(raw)
-                except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                    text = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise ValueError(
+                        f"{where}: not UTF-8 text (byte 0x{raw[e.start]:02x} at column {e.start + 1})"
+                    ) from None
+                try:
+                    row = json.loads(text)
+                except json.JSONDecodeError as e:
                     raise ValueError(f"{where}: invalid JSON: {e}") from None
                 if not isinstance(row, dict):
                     raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
                 yield where, row
     except (OSError, EOFError, zlib.error) as e:
-        raise ValueError(f"{path}: cannot read: {e}") from e
+        kind = "a corrupt or truncated gzip file" if compressed else "an unreadable file"
+        raise ValueError(f"{path}: cannot read {kind} (at line {lineno + 1}): {e}") from None
 
 
 def _parquet_rows(path: Path) -> Iterator[tuple[str, dict]]:
@@ -209,7 +218,13 @@ def _turn(turn: object, role_key: str, content_key: str, name: str, where: str) 
             f"{where}: {name}.{content_key}: expected a string, got {type(content).__name__} "
             "(multi-modal / structured content is not supported)"
         )
-    return {"role": ROLE_MAP.get((role or "user").lower(), "user"), "content": content}
+    mapped = ROLE_MAP.get((role or "user").lower())
+    if mapped is None:
+        raise ValueError(
+            f"{where}: {name}.{role_key}: unknown role {role!r}; expected one of {', '.join(ROLE_MAP)} "
+            "(any case)"
+        )
+    return {"role": mapped, "content": content}
 
 
 def _list(record: dict, key: str, where: str) -> list:

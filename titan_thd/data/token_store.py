@@ -70,6 +70,8 @@ class TokenStore:
     pad_id: int
     num_truncated: int = 0
     num_dropped: int = 0
+    source: str = "dataset"
+    """What the samples come from (the data file), for error messages."""
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -148,14 +150,15 @@ class _FilteredStore(TokenStore):
             raise ValueError(f"data.overlong: got {overlong!r}, expected 'truncate' or 'drop'")
         too_long = base.lengths > max_len
         self._base, self._max_len = base, max_len
-        self.vocab_size, self.pad_id = base.vocab_size, base.pad_id
+        self.vocab_size, self.pad_id, self.source = base.vocab_size, base.pad_id, base.source
         if overlong == "drop":
             self._index = np.flatnonzero(~too_long)
             self.num_dropped = int(too_long.sum())
             if self._index.size == 0:
                 raise ValueError(
-                    f"empty dataset after filtering: all {len(base)} samples are longer than "
-                    f"max_len={max_len} (shortest {int(base.lengths.min())}); raise the token budget "
+                    f"{self.source}: empty dataset after filtering: all {len(base)} samples are longer than "
+                    f"max_len={max_len} (training.tokens_per_microbatch; shortest sample "
+                    f"{int(base.lengths.min())}) and data.overlong = drop; raise training.tokens_per_microbatch "
                     "or set data.overlong = truncate"
                 )
             self.lengths = base.lengths[self._index]
@@ -167,6 +170,12 @@ class _FilteredStore(TokenStore):
             self.num_targets = base.num_targets.copy()
             for i in np.flatnonzero(too_long):
                 self.num_targets[i] = base.prefix_targets(int(i), max_len)
+        if int(self.num_targets.sum()) == 0 and int(base.num_targets.sum()) > 0:
+            raise ValueError(
+                f"{self.source}: nothing to train within max_len={max_len} (training.tokens_per_microbatch): "
+                f"every trained token of the {len(base)} samples lies beyond it (data.overlong = {overlong}); "
+                "raise training.tokens_per_microbatch"
+            )
 
     def _get(self, i: int) -> Sample:
         s = self._base[int(self._index[i])]
@@ -189,7 +198,7 @@ def build_token_store(
         raise ValueError(f"data.path: {path} is not a file (data.source = {data_cfg.source})")
     if not cache_dir:
         arrays = _tokenise(path, data_cfg, tokenizer, progress)
-        return ArrayTokenStore(arrays, tokenizer.vocab_size, tokenizer.pad_id)
+        return _trainable(ArrayTokenStore(arrays, tokenizer.vocab_size, tokenizer.pad_id), path)
 
     final = Path(cache_dir) / f"{path.name.split('.')[0]}-{_cache_key(path, data_cfg, tokenizer)}"
     reused = final.is_dir()
@@ -212,6 +221,17 @@ def build_token_store(
         cache_path=final,
     )
     store.loaded_from_cache = reused
+    return _trainable(store, path)
+
+
+def _trainable(store: ArrayTokenStore, path: Path) -> ArrayTokenStore:
+    """`store`, named after its file; ValueError when none of its tokens is trained."""
+    store.source = str(path)
+    if int(store.num_targets.sum()) == 0:
+        raise ValueError(
+            f"{path}: nothing to train: none of its {len(store)} samples has a trained token (chat records "
+            "train only the content of assistant turns; these have none)"
+        )
     return store
 
 

@@ -130,7 +130,9 @@ class HFTokenizer(Tokenizer):
         try:
             self._tok = _HFTok.from_file(str(path))
         except Exception as e:  # tokenizers raises its own Exception subclass
-            raise ValueError(f"data.tokenizer: cannot load {path}: {e}") from e
+            raise ValueError(
+                f"data.tokenizer: cannot load {path} as a Hugging Face tokenizer.json: {e}"
+            ) from e
         configured = _configured_specials(path.parent / "tokenizer_config.json")
         vocab = self._tok.get_vocab(with_added_tokens=True)
 
@@ -177,8 +179,12 @@ def _configured_specials(config_path: Path) -> dict[str, str]:
         return {}
     try:
         cfg = json.loads(config_path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"{config_path}: cannot read: {e}") from e
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{config_path}: invalid JSON: {e}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{config_path}: cannot read: {e}") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{config_path}: expected a JSON object, got {type(cfg).__name__}")
     out = {}
     for kind in ("bos", "eos", "pad"):
         value = cfg.get(f"{kind}_token")

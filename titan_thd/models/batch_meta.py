@@ -1,6 +1,6 @@
 """BatchMeta: everything a model reads about one packed microbatch besides its token ids.
 
-DESIGN.md section 3.4: `model(tokens_T, meta)`. The metadata object is built once per microbatch on
+docs/design.md §3.4: `model(tokens_T, meta)`. The metadata object is built once per microbatch on
 the host, shared by every layer, and carries the context-parallel context. Layers never guess
 document boundaries from token values; they derive what they need (window plans, compression
 plans, zigzag offsets) from the global `cu_seqlens*` and cache it in `meta.cache` so that the work

@@ -3,7 +3,7 @@
 Every model family (`titan_thd/models/<name>/__init__.py`) exposes `spec = ModelSpec(...)`; the
 trainer looks it up by `model.name` through `titan_thd.models.get_model_spec`.
 
-Model contract (DESIGN.md section 3.4):
+Model contract (docs/design.md §3.4):
     model = spec.build(args)            # full weights on CPU, initialised from the current RNG state
     out = model(tokens_T, meta)         # tokens: [T_local] int64, meta: BatchMeta
     out.logits                          # [T_local, V] float

@@ -6,8 +6,8 @@ Legend:
     L  real length of a document       P  physical (padded) length of a document
 
 Each document attends causally to itself only. On CPU the fastest exact way is a Python loop of
-`scaled_dot_product_attention(is_causal=True)` over the documents (research/cpu_feasibility.md
-section 5: 5x faster than a dense block-diagonal mask or padding); `varlen_attn` is CUDA-only and
+`scaled_dot_product_attention(is_causal=True)` over the documents (docs/cpu.md §5:
+5x faster than a dense block-diagonal mask or padding); `varlen_attn` is CUDA-only and
 flex_attention has no CPU backward. Two details keep the loop cheap:
 - inputs are cut with one `split` (its backward is one `cat`), not one slice per document (each
   slice's backward would allocate a full [T, H, D] gradient);

@@ -1,6 +1,6 @@
-"""dsv4 attention against independent references (float64, micro flavor; research §14.5).
+"""dsv4 attention against independent references (float64, micro flavor; docs/dsv4.md §14.5).
 
-The dense references below are written from the THD rules of research §8 with plain Python loops
+The dense references below are written from the THD rules of docs/dsv4.md §8 with plain Python loops
 over (document, position), not from the plans the model uses.
 """
 

@@ -292,7 +292,7 @@ def test_flavors_and_flash_dimensions():
     assert spec.cp_modes == ("contiguous",) and spec.min_tokens_per_cp_rank(flash) == 128
     per_layer = layer_params(flash)
     main = sum(per_layer[t] for t in flash.layer_types) + 2 * flash.vocab_size * flash.dim
-    assert 280e9 < main < 290e9, main  # "~284B total" (research §1.1), MTP excluded
+    assert 280e9 < main < 290e9, main  # "~284B total" (docs/dsv4.md §1.1), MTP excluded
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ from torch import nn
 
 from titan_thd.models.dsv4.args import DSv4Args, flavors
 from titan_thd.models.dsv4.flops import flops_per_step
-from titan_thd.models.dsv4.hf_interop import export_hf, load_hf, load_hf_into
+from titan_thd.models.dsv4.hf_interop import check_hf, export_hf, load_hf, load_hf_into
 from titan_thd.models.dsv4.model import DSv4Model, build_dsv4
 from titan_thd.models.dsv4.parallelize import parallelize_dsv4
 from titan_thd.models.spec import ModelSpec
@@ -40,12 +40,13 @@ spec = ModelSpec(
     build=build_dsv4,
     flops_per_step=flops_per_step,
     parallelize=parallelize_dsv4,
-    # Windows and compressors need a contiguous left context from one neighbour (research §9.1).
+    # Windows and compressors need a contiguous left context from one neighbour (docs/dsv4.md §9.1).
     cp_modes=("contiguous",),
     min_tokens_per_cp_rank=lambda args: args.halo,
     matrix_params=matrix_params,
-    # "init_from_hf": (model, path) -> None loads model.hf_path into the built model (before sharding).
-    hooks={"after_optimizer_step": update_router_bias, "init_from_hf": load_hf_into},
+    # "init_from_hf": (model, path) -> None loads model.hf_path into the built model (before sharding);
+    # "check_hf": (args, path, name of the args) -> None checks its config.json before anything is built.
+    hooks={"after_optimizer_step": update_router_bias, "init_from_hf": load_hf_into, "check_hf": check_hf},
 )
 
 __all__ = [

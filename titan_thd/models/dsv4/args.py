@@ -1,4 +1,4 @@
-"""DeepSeek-V4 model arguments and flavors (research note dsv4_architecture.md §1, §14.3).
+"""DeepSeek-V4 model arguments and flavors (docs/dsv4.md §1, §14.3).
 
 Layer types: `sliding` (window only, compress ratio 0), `csa` (compressed sparse attention: ratio
 `csa_ratio` with overlapping windows and a lightning indexer) and `hca` (heavily compressed
@@ -141,7 +141,7 @@ class DSv4Args:
 
     @property
     def halo(self) -> int:
-        """Left context rows a query block needs (the CP halo, research §9.2): window, CSA 2m, HCA m'."""
+        """Left context rows a query block needs (the CP halo, docs/dsv4.md §9.2): window, CSA 2m, HCA m'."""
         need = [self.window]
         if "csa" in self.layer_types:
             need.append(2 * self.csa_ratio)
@@ -185,7 +185,7 @@ flavors: dict[str, DSv4Args] = {
         moe_inter_dim=64,
         n_hash_layers=1,
     ),
-    # The CPU default (research §14.3): 2 sliding layers, then CSA / HCA alternating, ending on CSA.
+    # The CPU default (docs/dsv4.md §14.3): 2 sliding layers, then CSA / HCA alternating, ending on CSA.
     "tiny": DSv4Args(),
     # Official DeepSeek-V4-Flash dimensions (build it on the meta device).
     "flash": DSv4Args(

@@ -1,4 +1,4 @@
-"""DeepSeek-V4 hybrid attention: sliding window, CSA and HCA (research §2-§4).
+"""DeepSeek-V4 hybrid attention: sliding window, CSA and HCA (docs/dsv4.md §2-§4).
 
 Legend:  T query rows   R key rows   d model width   Q q_lora rank   H heads   D head dim   W window keys
          C compressed entries   k indexer top-k   E visible-entry slots   G output groups
@@ -10,7 +10,7 @@ and a grouped low-rank output projection. The types differ only in the compresse
 sees: none (sliding), the indexer's top-k of its document's visible entries (CSA, m = 4, overlapping
 windows) or all of its document's visible entries (HCA, m' = 128, no overlap).
 
-Under contiguous context parallelism (research §9.2) queries stay local; the key rows are the
+Under contiguous context parallelism (docs/dsv4.md §9.2) queries stay local; the key rows are the
 attention input `x_TD` (normed, mHC-collapsed) preceded by rank r-1's last `halo` rows (R = halo +
 T rows, re-projected here), and the compressed entries are all-gathered (context_parallel.py).
 Without CP, R = T.

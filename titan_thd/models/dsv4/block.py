@@ -1,4 +1,4 @@
-"""One DeepSeek-V4 decoder block: mHC around attention and around the MoE (research §1.2).
+"""One DeepSeek-V4 decoder block: mHC around attention and around the MoE (docs/dsv4.md §1.2).
 
 Legend:  T rows   N mHC streams   d model width
 """

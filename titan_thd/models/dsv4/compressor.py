@@ -1,4 +1,4 @@
-"""Token compressor of CSA / HCA layers and of the lightning indexer (research §3.1, §4).
+"""Token compressor of CSA / HCA layers and of the lightning indexer (docs/dsv4.md §3.1, §4).
 
 Legend:  R rows of the input (the microbatch rows, plus a left halo under CP)   d model width
          C entries   m ratio   P pooled slots (2m with overlap, m without)   Dc entry width

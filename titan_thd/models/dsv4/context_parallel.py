@@ -1,4 +1,4 @@
-"""What DeepSeek-V4's attention exchanges under contiguous context parallelism (research §9.2).
+"""What DeepSeek-V4's attention exchanges under contiguous context parallelism (docs/dsv4.md §9.2).
 
 Legend:  T this rank's rows   R key rows (halo + T)   d model width   C entries   Dc entry width
 

@@ -1,4 +1,4 @@
-"""Forward+backward FLOPs of DeepSeek-V4 on packed documents (research §11).
+"""Forward+backward FLOPs of DeepSeek-V4 on packed documents (docs/dsv4.md §11).
 
 Megatron-LM's `_dsv4_hybrid_self_attention_flops` counts per token: the attention projections, the
 window core 2*H*n_win*D, the compressors and indexer, and the compressed-entry core (CSA top-k,

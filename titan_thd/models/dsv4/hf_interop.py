@@ -314,7 +314,9 @@ def hf_config_from_args(args: DSv4Args, dtype: torch.dtype = torch.float32) -> d
 
 
 # ---------------------------------------------------------------------------------------- load / export
-def _resolve_args(ckpt: DSv4Args, flavor_or_args: str | DSv4Args | None, where: str) -> DSv4Args:
+def _resolve_args(
+    ckpt: DSv4Args, flavor_or_args: str | DSv4Args | None, where: str, name: str = "the given args"
+) -> DSv4Args:
     if flavor_or_args is None:
         return ckpt
     if isinstance(flavor_or_args, str):
@@ -322,7 +324,7 @@ def _resolve_args(ckpt: DSv4Args, flavor_or_args: str | DSv4Args | None, where: 
             raise ValueError(f"dsv4 flavor {flavor_or_args!r} is unknown; expected one of {list(flavors)}")
         wanted, name = flavors[flavor_or_args], f"flavor {flavor_or_args!r}"
     else:
-        wanted, name = flavor_or_args, "the given args"
+        wanted = flavor_or_args
     have, want = ckpt.architecture(), wanted.architecture()
     diffs = [f"{k}: checkpoint {have[k]!r} vs {want[k]!r}" for k in want if have[k] != want[k]]
     if diffs:
@@ -330,15 +332,25 @@ def _resolve_args(ckpt: DSv4Args, flavor_or_args: str | DSv4Args | None, where: 
     return replace(wanted)
 
 
-def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
+def _safetensors_files(path: Path) -> list[Path]:
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise ValueError(f"{path}: no *.safetensors files")
+        raise ValueError(
+            f"{path}: no *.safetensors files (a Hugging Face folder holds config.json + *.safetensors)"
+        )
+    return files
+
+
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
     state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update(load_file(f))
+    for f in _safetensors_files(path):
+        try:
+            state.update(load_file(f))
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"{f}: cannot read safetensors: {e}") from None
     quantized = [k for k, v in state.items() if v.dtype.is_floating_point and v.element_size() == 1]
     quantized += [k for k in state if k.endswith((".scale", "_scale_inv", ".weight_scale_inv"))]
     if quantized:
@@ -390,26 +402,61 @@ def load_hf(path: str | Path, flavor_or_args: str | DSv4Args | None = None) -> t
     as loss weights are kept); None takes everything from config.json.
     """
     path = Path(path)
-    cfg_file = path / "config.json"
-    if not cfg_file.is_file():
-        raise ValueError(f"{path}: no config.json")
-    ckpt_args = args_from_hf_config(json.loads(cfg_file.read_text()), str(cfg_file))
-    model = build_dsv4(_resolve_args(ckpt_args, flavor_or_args, str(cfg_file)))
+    model = build_dsv4(_resolve_args(_ckpt_args(path), flavor_or_args, str(path / "config.json")))
     load_state_dict_hf(model, _read_safetensors(path), str(path))
     return model, model.args
+
+
+def read_hf_config(path: str | Path) -> dict:
+    """config.json of an HF folder; ValueError naming the file (and line) when it is missing or not JSON."""
+    path = Path(path)
+    cfg_file = path / "config.json"
+    if not path.is_dir():
+        raise ValueError(
+            f"{path}: not a folder (expected a Hugging Face folder with config.json + *.safetensors)"
+        )
+    try:
+        cfg = json.loads(cfg_file.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ValueError(f"{cfg_file} does not exist (a Hugging Face folder holds config.json)") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{cfg_file}: invalid JSON: {e}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{cfg_file}: cannot read: {e}") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{cfg_file}: expected a JSON object, got {type(cfg).__name__}")
+    return cfg
+
+
+def _ckpt_args(path: Path) -> DSv4Args:
+    cfg_file = path / "config.json"
+    try:
+        return args_from_hf_config(read_hf_config(path), str(cfg_file))
+    except (TypeError, AttributeError) as e:  # e.g. a string where a number or a table belongs
+        raise ValueError(f"{cfg_file}: a value of the wrong type ({e})") from None
+
+
+def check_hf(args: DSv4Args, path: str | Path, name: str = "the given args") -> None:
+    """ValueError unless the HF folder describes `args`' architecture (`name` says where they come from)
+    and has readable safetensors files; cheap (config.json and the safetensors headers), so the trainer
+    calls it before building anything."""
+    from safetensors import SafetensorError, safe_open
+
+    path = Path(path)
+    _resolve_args(_ckpt_args(path), args, str(path / "config.json"), name)
+    for f in _safetensors_files(path):
+        try:
+            with safe_open(str(f), "pt") as st:  # the header only
+                st.keys()
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"{f}: cannot read safetensors: {e}") from None
 
 
 def load_hf_into(model: DSv4Model, path: str | Path) -> None:
     """Load an HF checkpoint into an already built model (e.g. the trainer's); its config.json must
     describe the model's architecture (ValueError naming the differing fields otherwise)."""
-    path = Path(path)
-    cfg_file = path / "config.json"
-    if not cfg_file.is_file():
-        raise ValueError(f"{path}: no config.json")
-    _resolve_args(
-        args_from_hf_config(json.loads(cfg_file.read_text()), str(cfg_file)), model.args, str(cfg_file)
-    )
-    load_state_dict_hf(model, _read_safetensors(path), str(path))
+    check_hf(model.args, path)
+    load_state_dict_hf(model, _read_safetensors(Path(path)), str(path))
 
 
 def export_hf(

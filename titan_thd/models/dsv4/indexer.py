@@ -1,4 +1,4 @@
-"""Lightning indexer of CSA layers and its KL training loss (research §3.3, §10).
+"""Lightning indexer of CSA layers and its KL training loss (docs/dsv4.md §3.3, §10).
 
 Legend:  T queries   HI indexer heads   I indexer head dim   C compressed entries   k top-k
          H attention heads   D attention head dim   W window keys   K candidates per query
@@ -10,7 +10,7 @@ Score of entry s for query t (entries of the query's own document only, causal):
 
 The indexer reads detached inputs (x and the query latent c_q), so it learns only from the KL loss
 against the detached main attention, and the selection (an integer index) sends no gradient to the
-main model either (pitfall 10).
+main model either (docs/dsv4.md pitfall 10).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Manifold-constrained hyper-connections (mHC, research §5, pitfall 1).
+"""Manifold-constrained hyper-connections (mHC, docs/dsv4.md §5, pitfall 1).
 
 Legend:  T rows   N streams (hc_mult)   d model width
 

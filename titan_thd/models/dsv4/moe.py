@@ -1,4 +1,4 @@
-"""DeepSeek-V4 mixture of experts (research §6).
+"""DeepSeek-V4 mixture of experts (docs/dsv4.md §6).
 
 Legend:  T rows   d model width   E routed experts   k experts per token   F expert width
 

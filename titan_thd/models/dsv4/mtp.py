@@ -1,4 +1,4 @@
-"""Multi-token prediction, depth 1 (research §7).
+"""Multi-token prediction, depth 1 (docs/dsv4.md §7).
 
 Legend:  T rows   N mHC streams   d model width   V vocabulary
 

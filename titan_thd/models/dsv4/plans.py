@@ -1,4 +1,4 @@
-"""Per-microbatch index plans of the DeepSeek-V4 attention (research §8, §9, §14.1).
+"""Per-microbatch index plans of the DeepSeek-V4 attention (docs/dsv4.md §8, §9, §14.1).
 
 Built once per microbatch from the GLOBAL `cu_seqlens*` of a BatchMeta and cached in `meta.cache`,
 so every layer shares them.
@@ -9,7 +9,7 @@ Legend:
     W  window keys per query (n_win)   C  compressed entries   m  compression ratio
     N  documents (incl. a trailing padding document)            R/2 RoPE frequencies (cos_R, sin_R)
 
-THD rules (research §8) encoded here:
+THD rules (docs/dsv4.md §8) encoded here:
 - a document's rows are `cu_seqlens_padded[i] ..`; its first `L_i` rows are real, the rest padding;
 - positions restart at 0 per document; window keys never reach before the document start;
 - compression windows are aligned to each document start; a document of real length L yields
@@ -18,7 +18,7 @@ THD rules (research §8) encoded here:
 - row t of document i sees entry w of its own document iff w < min(floor((pos+1)/m), n_i).
 Padding rows only read earlier rows of their own document, so they never influence a real row.
 
-Contiguous context parallelism (research §9.2): rank r holds rows [r*T, (r+1)*T) of the full
+Contiguous context parallelism (docs/dsv4.md §9.2): rank r holds rows [r*T, (r+1)*T) of the full
 microbatch and receives the last `halo` attention-input rows of rank r-1, so its key rows are
 [r*T - halo, (r+1)*T). Window indices point into those key rows. A compressed entry is computed
 only by the rank holding its window's last token (its rows, overlap included, lie within the key
@@ -124,7 +124,7 @@ def _local_rows(meta: BatchMeta, args: DSv4Args, T_full: int) -> tuple[int, int,
     if cp.mode != "contiguous":
         raise ValueError(
             f"dsv4: context parallel mode {cp.mode!r} is not supported; the sliding window and the "
-            "compressors need a contiguous left context from one neighbour (research §9.1): set "
+            "compressors need a contiguous left context from one neighbour (docs/dsv4.md §9.1): set "
             "parallelism.context_parallel_mode = 'contiguous'"
         )
     if T_full % cp.size:

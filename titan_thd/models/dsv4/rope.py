@@ -1,4 +1,4 @@
-"""Partial interleaved RoPE of DeepSeek-V4 (research §2, pitfall 9).
+"""Partial interleaved RoPE of DeepSeek-V4 (docs/dsv4.md §2, pitfall 9).
 
 Legend:  N rows (tokens or compressed entries)   R = r / 2 rotation frequencies   D head dim
 

@@ -4,7 +4,7 @@ Legend:  T queries   H query heads   D head dim   S rows of the key buffer   K k
 
 Every query attends an explicit list of rows `idx_TK` of one shared K=V buffer `kv_SD` (its window
 keys and its selected / visible compressed entries; -1 marks an unused slot) in ONE softmax whose
-denominator also holds a per-head sink logit that carries no value (research §2):
+denominator also holds a per-head sink logit that carries no value (docs/dsv4.md §2):
 
     p_k = exp(s_k) / (sum_j exp(s_j) + exp(sink_h)),   out = sum_k p_k kv_k,   s_k = scale * q . kv_k
 

@@ -1,0 +1,174 @@
+"""Every documentation pointer resolves to a file and a heading that exist (CONTRIBUTING.md).
+
+Pointer forms, each on one line: `docs/<name>.md`, `docs/<name>.md §N[.M]` (runs such as
+`§3.1, §4`, `§2-§4`, `§2.5 / §3.1`), `docs/<name>.md pitfall N` (also after a run: `§5, pitfall 1`).
+A `§N` needs a heading of that file that starts with the number (`## 9. Title`, `### 9.2 Title`),
+`pitfall N` a heading `### Pitfall N: ...`. Inside docs/, `§N` alone refers to the same file and
+`<name>.md §N` to a sibling. Pointers to notes outside the repository (the old research notes, the
+old design file) and a `§` or `pitfall N` without a docs/ file are errors.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+THIS = Path(__file__).resolve()
+
+_SEC = r"§\d+(?:\.\d+)*"
+_RUN = rf"{_SEC}(?:[ \t]*(?:,|-|/|and)[ \t]*{_SEC})*"
+_PITFALL = r"pitfall[ \t]+\d+"
+# A file name, then optionally a run of sections and / or a pitfall, on the same line.
+_REFS = rf"(?P<refs>[ \t]+(?:{_RUN}(?:[ \t]*,?[ \t]*{_PITFALL})?|{_PITFALL}))?"
+POINTER = re.compile(rf"docs/(?P<name>[\w-]+)\.md{_REFS}")
+DOC_POINTER = re.compile(rf"(?<![\w/.-])(?:docs/)?(?P<name>[\w-]+)\.md{_REFS}")  # inside docs/
+BARE = re.compile(rf"(?P<refs>{_RUN}(?:[ \t]*,?[ \t]*{_PITFALL})?|{_PITFALL})")
+# References to notes that live outside the repository, or to their old names.
+OLD_STYLE = re.compile(
+    r"DESIGN\.md|\bresearch\b[ \t]*(?:§|/|note|[\w-]+\.md)|megatron_thd_spec|dsv4_architecture"
+    r"|cpu_feasibility|torchtitan_anchor|tp_pp_ep\b|\.\./shared|shared/research"
+)
+LEFTOVER = re.compile(r"§|\bpitfalls?[ \t]+\d|\bsections?[ \t]+\d")
+HEADING = re.compile(r"^#{1,6}[ \t]+(?P<title>.+?)[ \t]*$", re.MULTILINE)
+
+
+def scanned_files(root: Path) -> list[Path]:
+    """Code, tests, scripts, configs and the top-level docs (this test file excluded)."""
+    files = [p for d in ("titan_thd", "tests") for p in (root / d).rglob("*.py")]
+    files += [p for ext in ("*.py", "*.sh") for p in (root / "scripts").rglob(ext)]
+    files += sorted((root / "train_configs").glob("*.toml"))
+    files += [root / n for n in ("run_train.sh", "pyproject.toml", "README.md", "CONTRIBUTING.md")]
+    return sorted(p for p in files if p.is_file() and p.resolve() != THIS)
+
+
+def anchors(doc: Path) -> tuple[set[str], set[str]]:
+    """(section numbers, pitfall numbers) that the headings of `doc` define."""
+    sections, pitfalls = set(), set()
+    for m in HEADING.finditer(doc.read_text()):
+        title = m.group("title")
+        if num := re.match(r"(\d+(?:\.\d+)*)\.?(?:\s|$)", title):
+            sections.add(num.group(1))
+        if num := re.match(r"pitfall[ \t]+(\d+)\b", title, re.IGNORECASE):
+            pitfalls.add(num.group(1))
+    return sections, pitfalls
+
+
+def parse_refs(refs: str | None) -> list[tuple[str, str]]:
+    """[("§", "9.2"), ("pitfall", "1"), ...]; an integer range `§2-§4` also names §3."""
+    if not refs:
+        return []
+    out = [("pitfall", n) for n in re.findall(r"pitfall[ \t]+(\d+)", refs)]
+    for a, b in re.findall(r"§(\d+)[ \t]*-[ \t]*§(\d+)(?!\.)", refs):
+        out += [("§", str(n)) for n in range(int(a) + 1, int(b))]
+    return out + [("§", n) for n in re.findall(r"§(\d+(?:\.\d+)*)", refs)]
+
+
+def check_text(path: Path, text: str, root: Path) -> tuple[list[str], int]:
+    """(problems found in `text`, number of pointers checked)."""
+    docs = root / "docs"
+    in_docs = path.parent == docs
+    problems, count = [], 0
+    cache: dict[Path, tuple[set[str], set[str]]] = {}
+
+    def resolve(target: Path, refs: list[tuple[str, str]], where: str, shown: str) -> None:
+        nonlocal count
+        count += 1
+        if not target.is_file():
+            problems.append(f"{where}: {shown}: {target.relative_to(root)} does not exist")
+            return
+        sections, pitfalls = cache.setdefault(target, anchors(target))
+        for kind, value in refs:
+            if value not in (sections if kind == "§" else pitfalls):
+                problems.append(
+                    f"{where}: {shown}: {target.relative_to(root)} has no heading for {kind} {value}"
+                )
+
+    covered = list(text)
+    for m in (DOC_POINTER if in_docs else POINTER).finditer(text):
+        line = text.count("\n", 0, m.start()) + 1
+        name = m.group("name")
+        target = docs / f"{name}.md"
+        if in_docs and not target.is_file() and (root / f"{name}.md").is_file():
+            target = root / f"{name}.md"  # README.md, CONTRIBUTING.md
+        resolve(target, parse_refs(m.group("refs")), f"{path.relative_to(root)}:{line}", m.group(0))
+        covered[m.start() : m.end()] = " " * (m.end() - m.start())
+    rest = "".join(covered)
+    if in_docs:  # a bare `§N` or `pitfall N` in a note refers to the note itself
+        for m in BARE.finditer(rest):
+            line = rest.count("\n", 0, m.start()) + 1
+            resolve(path, parse_refs(m.group("refs")), f"{path.relative_to(root)}:{line}", m.group(0))
+    for m in OLD_STYLE.finditer(text):
+        line = text.count("\n", 0, m.start()) + 1
+        problems.append(f"{path.relative_to(root)}:{line}: reference outside the repository: {m.group(0)!r}")
+    if path.suffix != ".md":  # prose files may mention the forms themselves (CONTRIBUTING.md)
+        for m in LEFTOVER.finditer(rest):
+            line = rest.count("\n", 0, m.start()) + 1
+            problems.append(
+                f"{path.relative_to(root)}:{line}: {m.group(0)!r} is not part of a docs/<name>.md pointer"
+            )
+    return problems, count
+
+
+def check_repository(root: Path) -> tuple[list[str], int, set[str]]:
+    """(problems, pointers checked, names of docs/*.md referenced from outside docs/)."""
+    problems, total, referenced = [], 0, set()
+    for path in scanned_files(root) + sorted((root / "docs").glob("*.md")):
+        text = path.read_text()
+        found, count = check_text(path, text, root)
+        problems += found
+        total += count
+        if path.parent != root / "docs":
+            referenced |= {m.group("name") for m in POINTER.finditer(text)}
+    return problems, total, referenced
+
+
+def test_every_pointer_resolves():
+    problems, total, referenced = check_repository(ROOT)
+    assert not problems, "\n".join(problems)
+    assert total >= 60, f"only {total} pointers found: the scan looks in the wrong places"
+    unreferenced = {p.stem for p in (ROOT / "docs").glob("*.md")} - referenced
+    assert not unreferenced, f"docs never pointed to from code, README or CONTRIBUTING: {unreferenced}"
+
+
+def _fake_repo(tmp_path: Path, code: str) -> Path:
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "note.md").write_text(
+        "# Note\n## 9. Context\n### 9.2 Exchange\n## 13. Pitfalls\n### Pitfall 10: indexer\n"
+        "See §9.2 and pitfall 10.\n"
+    )
+    for d in ("titan_thd", "tests", "scripts", "train_configs"):
+        (tmp_path / d).mkdir()
+    (tmp_path / "titan_thd" / "mod.py").write_text(code)
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        '"""Fine (docs/note.md §9.2, docs/note.md §9, pitfall 10; docs/note.md §9-§9.2; docs/note.md)."""\n',
+        "# docs/note.md pitfall 10 and docs/note.md §9.2 / §9\n",
+    ],
+)
+def test_checker_accepts_valid_pointers(tmp_path, code):
+    problems, total, _ = check_repository(_fake_repo(tmp_path, code))
+    assert problems == [] and total >= 3
+
+
+@pytest.mark.parametrize(
+    "code, message",
+    [
+        ('"""See docs/note.md §9.3."""\n', "has no heading for § 9.3"),
+        ('"""See docs/note.md §9, pitfall 2."""\n', "has no heading for pitfall 2"),
+        ('"""See docs/other.md §1."""\n', "docs/other.md does not exist"),
+        ('"""See DESIGN.md section 3.1."""\n', "reference outside the repository: 'DESIGN.md'"),
+        ('"""See research §9.2."""\n', "reference outside the repository: 'research §'"),
+        ('"""(pitfall 10)"""\n', "'pitfall 1' is not part of a docs/<name>.md pointer"),
+        ('"""(§9.2)"""\n', "'§' is not part of a docs/<name>.md pointer"),
+    ],
+)
+def test_checker_reports_bad_pointers(tmp_path, code, message):
+    problems, _, _ = check_repository(_fake_repo(tmp_path, code))
+    assert any(message in p for p in problems), problems
