@@ -1,7 +1,7 @@
 """The Trainer under pipeline parallelism vs one process (4-layer tiny llama, float64, 5 steps).
 
 References are runs of the same trainer on one process. Layouts, all on gloo:
-- PP2 with 1F1B (AdamW) and GPipe (Muon, float64 Newton-Schulz);
+- PP2 with GPipe, Muon (float64 Newton-Schulz);
 - PP3 (stages of 2 | 1 | 1 layers: a middle stage), 1F1B, AdamW;
 - PP2 x DP2 (FSDP over the 2 data-parallel ranks of each stage), Muon;
 - PP2 x CP2 (zigzag; FSDP over the 2 context-parallel ranks of each stage), Muon.
@@ -9,8 +9,9 @@ Losses and gradient norms rel <= 1e-12 (float64: another summation order perturb
 operation). Clipping is on (training.max_norm below every step's norm), so a norm that missed
 another stage's squared sum would change the update and the later losses.
 
-Checkpoints: a PP2 checkpoint of step 3 resumed on one process, and a one-process checkpoint of
-step 3 resumed on PP2, train steps 4-5 on the same documents with the uninterrupted run's losses.
+Checkpoints (Muon: its momentum reshards too): a PP2 checkpoint of step 3 resumed on one process,
+and a one-process checkpoint of step 3 resumed on PP2 (1F1B), train steps 4-5 on the same documents
+with the uninterrupted run's losses.
 
 dsv4 (the recipe at the micro flavor, Muon): PP2, PP2 x CP2 (contiguous), and a one-process
 checkpoint resumed on PP2; loss, MTP, indexer KL and gradient norm rel <= 1e-12.
@@ -100,9 +101,8 @@ def _env(rank: int, world_size: int) -> None:
 def _pp2_runs(rank: int, world_size: int, dumps: dict[str, Path]):
     _env(rank, world_size)
     pp = ("--parallelism.pipeline_parallel_degree", "2")
-    run(config(dumps["adamw"], "adamw", *pp))
     run(config(dumps["muon"], "muon", *pp, "--parallelism.pipeline_parallel_schedule", "GPipe"))
-    run(config(dumps["from_pp1"], "adamw", *pp))
+    run(config(dumps["from_pp1"], "muon", *pp))
 
 
 def _pp3_run(rank: int, world_size: int, dump: Path):
@@ -123,27 +123,19 @@ def runs(tmp_path_factory):
     torch.set_num_threads(1)
     _tiny_llama.register()
     base = tmp_path_factory.mktemp("pp")
-    d = {
-        name: base / name for name in ("adamw", "muon", "pp2_adamw", "pp2_muon", "pp3", "pp2_dp2", "pp2_cp2")
-    }
+    d = {name: base / name for name in ("adamw", "muon", "pp2_muon", "pp3", "pp2_dp2", "pp2_cp2")}
     d |= {"pp1_from_pp2": base / "pp1_from_pp2", "pp2_from_pp1": base / "pp2_from_pp1"}
     try:
         run(config(d["adamw"], "adamw"))
         run(config(d["muon"], "muon"))
         shutil.copytree(
-            d["adamw"] / "checkpoint" / f"step-{SPLIT}", d["pp2_from_pp1"] / "checkpoint" / f"step-{SPLIT}"
+            d["muon"] / "checkpoint" / f"step-{SPLIT}", d["pp2_from_pp1"] / "checkpoint" / f"step-{SPLIT}"
         )
-        spawn(
-            _pp2_runs,
-            2,
-            {"adamw": d["pp2_adamw"], "muon": d["pp2_muon"], "from_pp1": d["pp2_from_pp1"]},
-            timeout=600,
-        )
+        spawn(_pp2_runs, 2, {"muon": d["pp2_muon"], "from_pp1": d["pp2_from_pp1"]}, timeout=600)
         shutil.copytree(
-            d["pp2_adamw"] / "checkpoint" / f"step-{SPLIT}",
-            d["pp1_from_pp2"] / "checkpoint" / f"step-{SPLIT}",
+            d["pp2_muon"] / "checkpoint" / f"step-{SPLIT}", d["pp1_from_pp2"] / "checkpoint" / f"step-{SPLIT}"
         )
-        run(config(d["pp1_from_pp2"], "adamw"))
+        run(config(d["pp1_from_pp2"], "muon"))
         spawn(_pp3_run, 3, d["pp3"], timeout=600)
         spawn(_world4_runs, 4, d, timeout=600)
     finally:
@@ -176,7 +168,6 @@ def _compare(reference: list[dict], got: list[dict], label: str) -> None:
 @pytest.mark.parametrize(
     "layout, reference",
     [
-        ("pp2_adamw", "adamw"),
         ("pp2_muon", "muon"),
         ("pp3", "adamw"),
         ("pp2_dp2", "muon"),
@@ -192,7 +183,7 @@ def test_pipeline_matches_one_process(runs, layout, reference):
 @pytest.mark.slow
 @pytest.mark.parametrize("resumed", ["pp1_from_pp2", "pp2_from_pp1"])
 def test_resume_across_pipeline_degrees(runs, resumed):
-    straight, got = records(runs["adamw"]), records(runs[resumed])
+    straight, got = records(runs["muon"]), records(runs[resumed])
     assert [r["step"] for r in got] == list(range(SPLIT + 1, STEPS + 1))
     _compare(straight[SPLIT:], got, resumed)
 
