@@ -7,7 +7,9 @@ Loss (docs/design.md §3.5): every microbatch backpropagates
     (sum of token cross-entropy over its trained tokens + its aux-loss sums) / N
 where N is the GLOBAL number of trained tokens of the optimizer step (all microbatches, all data-
 and context-parallel ranks), known to every rank from the step's plan. Nothing else divides: FSDP
-sums gradients over ranks, so loss and gradients do not depend on the parallel layout.
+sums gradients over ranks, so loss and gradients do not depend on the parallel layout. Under
+pipeline parallelism (parallel/pipeline.py) `train_step` hands the microbatches to the schedule:
+the last stage backpropagates the same (CE + aux) / N, every other stage its own aux sums / N.
 """
 
 from __future__ import annotations
@@ -241,11 +243,12 @@ class Trainer:
         if self.pipeline is not None:  # sums over all stages; the schedule runs every microbatch
             inputs = [self.local_inputs(mb) for mb in step_batch.microbatches]
             ce_sum, aux_sums = self.pipeline.step(inputs, num_trained)
-        for microbatch in step_batch.microbatches if self.pipeline is None else ():
-            ce, aux = self.forward_backward(microbatch, num_trained)
-            ce_sum += ce
-            for k, v in aux.items():
-                aux_sums[k] = aux_sums.get(k, 0) + v.double()
+        else:
+            for microbatch in step_batch.microbatches:
+                ce, aux = self.forward_backward(microbatch, num_trained)
+                ce_sum += ce
+                for k, v in aux.items():
+                    aux_sums[k] = aux_sums.get(k, 0) + v.double()
         if self.pipeline is None:
             grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm)
         else:  # over every stage; the tied copies count once
