@@ -13,8 +13,8 @@ Checkpoints (Muon: its momentum reshards too): a PP2 checkpoint of step 3 resume
 and a one-process checkpoint of step 3 resumed on PP2 (1F1B), train steps 4-5 on the same documents
 with the uninterrupted run's losses.
 
-dsv4 (the recipe at the micro flavor, Muon): PP2, PP2 x CP2 (contiguous), and a one-process
-checkpoint resumed on PP2; loss, MTP, indexer KL and gradient norm rel <= 1e-12.
+dsv4 (the recipe at the micro flavor, Muon): PP3, PP2 x CP2 (contiguous), and a one-process
+checkpoint resumed on PP3; loss, MTP, indexer KL and gradient norm rel <= 1e-12.
 The fake-process-group dry run with pp prints every stage's share.
 """
 
@@ -229,10 +229,11 @@ def dsv4_config(dump: Path, *extra: str):
     )
 
 
-def _dsv4_pp2_runs(rank: int, world_size: int, dumps: dict[str, Path]):
+def _dsv4_pp3_runs(rank: int, world_size: int, dumps: dict[str, Path]):
     os.environ |= {"WORLD_SIZE": str(world_size), "RANK": str(rank), "LOCAL_RANK": str(rank)}
-    run(dsv4_config(dumps["pp2"], "--parallelism.pipeline_parallel_degree", "2"))
-    run(dsv4_config(dumps["pp2_from_pp1"], "--parallelism.pipeline_parallel_degree", "2"))
+    # 2 | 1 | 1 layers: the embedding's copy lives two stages away (a {first, last} group of its own)
+    run(dsv4_config(dumps["pp3"], "--parallelism.pipeline_parallel_degree", "3"))
+    run(dsv4_config(dumps["pp3_from_pp1"], "--parallelism.pipeline_parallel_degree", "3"))
 
 
 def _dsv4_pp2_cp2_run(rank: int, world_size: int, dump: Path):
@@ -247,11 +248,11 @@ def dsv4_runs(tmp_path_factory):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     base = tmp_path_factory.mktemp("pp_dsv4")
-    d = {name: base / name for name in ("one", "pp2", "pp2_from_pp1", "pp2_cp2")}
+    d = {name: base / name for name in ("one", "pp3", "pp3_from_pp1", "pp2_cp2")}
     try:
         run(dsv4_config(d["one"]))
-        shutil.copytree(d["one"] / "checkpoint" / "step-2", d["pp2_from_pp1"] / "checkpoint" / "step-2")
-        spawn(_dsv4_pp2_runs, 2, d, timeout=600)
+        shutil.copytree(d["one"] / "checkpoint" / "step-2", d["pp3_from_pp1"] / "checkpoint" / "step-2")
+        spawn(_dsv4_pp3_runs, 3, d, timeout=600)
         spawn(_dsv4_pp2_cp2_run, 4, d["pp2_cp2"], timeout=600)
     finally:
         torch.set_num_threads(threads)
@@ -259,7 +260,7 @@ def dsv4_runs(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["pp2", "pp2_from_pp1", "pp2_cp2"])
+@pytest.mark.parametrize("layout", ["pp3", "pp3_from_pp1", "pp2_cp2"])
 def test_dsv4_pipeline_matches_one_process(dsv4_runs, layout):
     """Losses, MTP and indexer terms, gradient norms: the MTP's gradient into the embedding reaches
     stage 0's copy (and a one-process checkpoint restores both copies), or step 2 on would differ."""
