@@ -24,9 +24,11 @@ TRAIN_ARGS: tuple[str, ...] = (
 
 @pytest.fixture(scope="module")
 def tiny_llama():
-    """The flavor name of `tests._tiny_llama` (127k parameters), registered for one test module."""
+    """The flavor name of `tests._tiny_llama` (127k parameters), registered for one test module
+    (with its 4-layer sibling `_tiny_llama.DEEP`)."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setitem(llama_flavors, _tiny_llama.NAME, _tiny_llama.ARGS)
+        for name, args in _tiny_llama.FLAVORS.items():
+            mp.setitem(llama_flavors, name, args)
         yield _tiny_llama.NAME
 
 

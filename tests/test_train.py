@@ -83,9 +83,24 @@ def test_attention_cost_weight_reads_the_flops_formula(trainer):
     [
         ("2", ["--parallelism.tensor_parallel_degree", "2"], r"tensor parallelism is not implemented yet"),
         (
+            "4",
+            [
+                "--parallelism.pipeline_parallel_degree",
+                "4",
+                "--parallelism.pipeline_parallel_stage_layers",
+                "0|1|1|2-5",
+            ],
+            r"pipeline_parallel_stage_layers = '0\|1\|1\|2-5' repeats layer\(s\) \[1\]",
+        ),
+        (
             "2",
-            ["--parallelism.pipeline_parallel_degree", "2"],
-            r"pipeline parallelism is not implemented yet",
+            [
+                "--parallelism.pipeline_parallel_degree",
+                "2",
+                "--parallelism.pipeline_parallel_layers_per_stage",
+                "3",
+            ],
+            r"layers_per_stage = 3 x pp 2 = 6, but the model has \d+ layers",
         ),
         (
             "1",

@@ -178,7 +178,18 @@ class Parallelism:
     pipeline_parallel_degree: int = 1
     """Pipeline stages."""
     pipeline_parallel_schedule: str = "1F1B"
-    """Pipeline schedule: `1F1B`, `GPipe` or `Interleaved1F1B`."""
+    """Pipeline schedule: `1F1B` (at most pp - stage microbatches in flight) or `GPipe` (all
+    forwards, then all backwards). Any number of microbatches per step works, fewer than pp too.
+    `Interleaved1F1B` (virtual stages) is not implemented yet."""
+    # ---- pipeline parallelism (issue 10): the stage split
+    pipeline_parallel_layers_per_stage: int = 0
+    """Transformer layers per pipeline stage (0 = split the layers evenly, earlier stages take
+    the remainder); pp x this must equal the model's layers."""
+    pipeline_parallel_stage_layers: str = ""
+    """Explicit stage split: each stage's layer ids, stages separated by `|`, ranges allowed,
+    e.g. `0-2|3,4|5` (empty = `pipeline_parallel_layers_per_stage`). Every layer exactly once,
+    in order. The embedding sits on the first stage, the final norm and head on the last."""
+    # ---- end of pipeline parallelism fields
 
 
 @dataclass
@@ -474,6 +485,55 @@ def validate(cfg: Config) -> None:
     # (titan_thd.parallel.context_parallel.validate_context_parallel), still before any process group.
     if cfg.data.source in ("jsonl", "parquet", "packed") and not cfg.data.path:
         raise ValueError(f"data.source = {cfg.data.source} needs data.path")
+    _validate_pipeline(p)
+
+
+# ---- pipeline parallelism (issue 10): checks that need no model; the layer counts are checked
+# against the model by titan_thd.pipeline.stage_layers (Trainer, before any process group).
+def parse_stage_layers(text: str) -> list[list[int]]:
+    """`0-2|3,4|5` -> [[0, 1, 2], [3, 4], [5]]; ValueError naming the bad part."""
+    key = "parallelism.pipeline_parallel_stage_layers"
+    stages: list[list[int]] = []
+    for i, part in enumerate(text.split("|")):
+        ids: list[int] = []
+        for item in (x.strip() for x in part.split(",")):
+            lo, sep, hi = item.partition("-")
+            try:
+                ids += list(range(int(lo), int(hi) + 1)) if sep else [int(item)]
+            except ValueError:
+                raise ValueError(
+                    f"{key} = {text!r}: stage {i} has {item!r}, expected layer ids like 0,1 or ranges like 0-3"
+                ) from None
+        stages.append(ids)
+    return stages
+
+
+def _validate_pipeline(p: Parallelism) -> None:
+    if p.pipeline_parallel_layers_per_stage < 0:
+        raise ValueError(
+            f"parallelism.pipeline_parallel_layers_per_stage: got {p.pipeline_parallel_layers_per_stage}, "
+            "expected 0 (an even split) or >= 1"
+        )
+    if p.pipeline_parallel_degree > 1 and p.pipeline_parallel_schedule == "Interleaved1F1B":
+        raise ValueError(
+            "parallelism.pipeline_parallel_schedule = Interleaved1F1B: virtual stages are not implemented "
+            "yet; use 1F1B or GPipe"
+        )
+    if p.pipeline_parallel_stage_layers:
+        stages = parse_stage_layers(p.pipeline_parallel_stage_layers)
+        if len(stages) != p.pipeline_parallel_degree:
+            raise ValueError(
+                f"parallelism.pipeline_parallel_stage_layers = {p.pipeline_parallel_stage_layers!r} has "
+                f"{len(stages)} stages, pipeline_parallel_degree = {p.pipeline_parallel_degree}"
+            )
+        if p.pipeline_parallel_layers_per_stage:
+            raise ValueError(
+                "parallelism.pipeline_parallel_stage_layers and pipeline_parallel_layers_per_stage = "
+                f"{p.pipeline_parallel_layers_per_stage} both set the stage split; set one"
+            )
+
+
+# ---- end of pipeline parallelism checks
 
 
 # ============================================================================ output

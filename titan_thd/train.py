@@ -7,7 +7,9 @@ Loss (docs/design.md §3.5): every microbatch backpropagates
     (sum of token cross-entropy over its trained tokens + its aux-loss sums) / N
 where N is the GLOBAL number of trained tokens of the optimizer step (all microbatches, all data-
 and context-parallel ranks), known to every rank from the step's plan. Nothing else divides: FSDP
-sums gradients over ranks, so loss and gradients do not depend on the parallel layout.
+sums gradients over ranks, so loss and gradients do not depend on the parallel layout. Under
+pipeline parallelism (pipeline.py) `train_step` hands the microbatches to the schedule:
+the last stage backpropagates the same (CE + aux) / N, every other stage its own aux sums / N.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from titan_thd import pipeline
 from titan_thd.components import hardware
 from titan_thd.components.checkpoint import CheckpointManager, model_fingerprint
 from titan_thd.components.loss import cross_entropy_sum
@@ -98,6 +101,8 @@ class Trainer:
         world_size = _env_world_size("NGPU" if fake else "WORLD_SIZE")
         self.spec, self.tokenizer, self.model_args, self.parallel_dims = check_inputs(cfg, world_size)
         init_from_hf = self.spec.init_from_hf
+        pp_layers = pipeline_stage_layers(cfg, self.model_args)  # None without pipeline parallelism
+        self.pp_layers = pp_layers
 
         self.dist = dist_utils.init_distributed(cfg.comm)
         if t.deterministic:
@@ -142,11 +147,32 @@ class Trainer:
         elif cfg.model.hf_path:  # full weights, before sharding; ValueError when the architecture differs
             init_from_hf(model, cfg.model.hf_path)
         model.to(as_dtype(t.dtype))
+        fingerprint = model_fingerprint([model], model=cfg.model.name, flavor=cfg.model.flavor)
+        self.pipeline: pipeline.PipelineSchedule | None = None
+        if pp_layers is not None:  # keep this stage's part only (before sharding it over its dp x cp)
+            stage = self.parallel_dims.mesh_rank("pp")
+            tied_names = pipeline.tied_first_last(cfg.model.name, model)
+            model = pipeline.split_model(cfg.model.name, model, pp_layers, stage)
         if self.spec.parallelize is not None:
             model = self.spec.parallelize(model, self.parallel_dims, p)
         if fake:
             materialize_sharded(model)
         self.model = model.to(self.dist.device).train()
+        if pp_layers is not None:
+            tied_group = pipeline.tied_groups(self.parallel_dims) if tied_names else None
+            on_end = stage in (0, len(pp_layers) - 1)
+            self.pipeline = pipeline.PipelineSchedule(
+                self.model,
+                stage,
+                len(pp_layers),
+                self.parallel_dims.get_mesh("pp").get_group(),
+                p.pipeline_parallel_schedule,
+                pipeline.boundary_shape(self.model_args, t.tokens_per_microbatch // self.parallel_dims.cp),
+                as_dtype(t.dtype),
+                self.dist.device,
+                tied=[q for n in tied_names for q in getattr(self.model, n).parameters()] if on_end else [],
+                tied_group=tied_group if on_end else None,
+            )
 
         self.optimizers = build_optimizers([self.model], cfg.optimizer, self.spec)
         self.lr_schedulers = LRSchedulersContainer(self.optimizers, cfg.lr_scheduler, t.steps)
@@ -159,7 +185,7 @@ class Trainer:
             optimizers=self.optimizers.optimizers,
             lr_schedulers=self.lr_schedulers,
             states={"train_state": self, "dataloader": self.dataloader},
-            fingerprint=model_fingerprint([self.model], model=cfg.model.name, flavor=cfg.model.flavor),
+            fingerprint=fingerprint,
         )
         # Only one rank writes metrics; it measures the MFU peak while the others wait.
         self.peak_tflops = 0.0
@@ -193,17 +219,21 @@ class Trainer:
 
         `num_trained` is the global trained-token count of the step (the only divisor).
         """
+        inp = self.local_inputs(microbatch)
+        out = self.model(inp.tokens, inp.meta)
+        ce = cross_entropy_sum(out.logits, inp.labels, inp.loss_mask)
+        loss = (ce + sum(out.aux_losses.values(), torch.zeros((), device=ce.device))) / num_trained
+        loss.backward()
+        return ce.detach(), {k: v.detach() for k, v in out.aux_losses.items()}
+
+    def local_inputs(self, microbatch: PackedBatch) -> pipeline.StageInput:
+        """This rank's rows of a microbatch and their BatchMeta (every rank builds its own)."""
         local = (
             partition(microbatch, self.cp.size, self.cp.rank, self.cp.mode) if self.cp.enabled else microbatch
         )
         meta = BatchMeta.from_batch(local, cp=self.cp, full=microbatch, device=self.dist.device)
-        out = self.model(local.tokens.to(self.dist.device), meta)
-        ce = cross_entropy_sum(
-            out.logits, local.labels.to(self.dist.device), local.loss_mask.to(self.dist.device)
-        )
-        loss = (ce + sum(out.aux_losses.values(), torch.zeros((), device=ce.device))) / num_trained
-        loss.backward()
-        return ce.detach(), {k: v.detach() for k, v in out.aux_losses.items()}
+        dev = self.dist.device
+        return pipeline.StageInput(meta.tokens, meta, local.labels.to(dev), local.loss_mask.to(dev))
 
     def train_step(self, step_batch: StepBatch) -> dict[str, float]:
         """One optimizer step over the microbatches of `step_batch`; returns the global losses."""
@@ -211,12 +241,24 @@ class Trainer:
         num_trained = max(1, step_batch.trained_tokens)
         ce_sum = torch.zeros((), dtype=torch.float64, device=self.dist.device)
         aux_sums: dict[str, torch.Tensor] = {}
-        for microbatch in step_batch.microbatches:
-            ce, aux = self.forward_backward(microbatch, num_trained)
-            ce_sum += ce
-            for k, v in aux.items():
-                aux_sums[k] = aux_sums.get(k, 0) + v.double()
-        grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm)
+        if self.pipeline is not None:  # sums over all stages; the schedule runs every microbatch
+            inputs = [self.local_inputs(mb) for mb in step_batch.microbatches]
+            ce_sum, aux_sums = self.pipeline.step(inputs, num_trained)
+        else:
+            for microbatch in step_batch.microbatches:
+                ce, aux = self.forward_backward(microbatch, num_trained)
+                ce_sum += ce
+                for k, v in aux.items():
+                    aux_sums[k] = aux_sums.get(k, 0) + v.double()
+        if self.pipeline is None:
+            grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm)
+        else:  # over every stage; the tied copies count once
+            grad_norm = clip_grad_norm_(
+                self.pipeline.norm_params(),
+                self.cfg.training.max_norm,
+                pp_group=self.pipeline.group,
+                also_scale=[q for q in self.pipeline.tied if not self.pipeline.is_first],
+            )
         lr = self.lr_schedulers.current_lr
         self.optimizers.step()
         self.lr_schedulers.step()
@@ -318,6 +360,19 @@ class Trainer:
                 self.model, d, c.optimizer.name, as_dtype(c.training.dtype), muon_params
             ),
         )
+        if self.pipeline is not None:  # every stage's share, built on the meta device
+            for line in pipeline.stage_summary(
+                lambda: build_on_meta(lambda: self.spec.build(self.model_args)),
+                c.model.name,
+                self.pp_layers,
+                d,
+                c.parallelism.pipeline_parallel_schedule,
+                self.pipeline.shape,
+                as_dtype(c.training.dtype),
+                c.optimizer.name,
+                self.spec.matrix_params or default_matrix_params,
+            ):
+                logger.info("%s", line)
         muon_opt = next((o for o in self.optimizers.optimizers if isinstance(o, Muon)), None)
         logger.info(
             "hardware: %s%s",
@@ -476,7 +531,21 @@ def check_inputs(cfg: Config, world_size: int) -> tuple[ModelSpec, Tokenizer, An
             f"pipeline_parallel_degree {p.pipeline_parallel_degree}) does not fit {world_size} processes: {e}"
         ) from None
     dims.check_implemented()
+    pipeline_stage_layers(cfg, model_args)
     return spec, tokenizer, model_args, dims
+
+
+def pipeline_stage_layers(cfg: Config, model_args: Any) -> list[list[int]] | None:
+    """Each pipeline stage's layer ids (ValueError for a split the model cannot have); None at pp 1."""
+    p = cfg.parallelism
+    if p.pipeline_parallel_degree == 1:
+        return None
+    return pipeline.stage_layers(
+        model_args.n_layers,
+        p.pipeline_parallel_degree,
+        p.pipeline_parallel_layers_per_stage,
+        p.pipeline_parallel_stage_layers,
+    )
 
 
 def build_loader(

@@ -38,6 +38,9 @@ def default_matrix_params(model: nn.Module) -> list[str]:
     embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
     skip = {id(p) for m in embeddings for p in m.parameters()}
     vocab_rows = {m.num_embeddings for m in embeddings}
+    vocab_size = getattr(getattr(model, "args", None), "vocab_size", None)
+    if vocab_size is not None:  # a last pipeline stage holds the head without the embedding
+        vocab_rows.add(vocab_size)
     return [
         name
         for name, p in model.named_parameters()
@@ -125,11 +128,18 @@ def build_optimizers(
 
 
 @torch.no_grad()
-def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+def clip_grad_norm_(
+    parameters: Iterable[torch.Tensor],
+    max_norm: float,
+    pp_group: torch.distributed.ProcessGroup | None = None,
+    also_scale: Iterable[torch.Tensor] = (),
+) -> torch.Tensor:
     """Global L2 norm of all gradients (DTensor-aware); scale them to `max_norm` if it is > 0.
 
     Gradients on different device meshes (e.g. dense and expert weights) are reduced mesh by mesh
-    and then combined. (Pipeline stages will also have to add the other stages' squared norms.)
+    and then combined. Pipeline stages add the other stages' squared norms over `pp_group`;
+    `also_scale` are gradients that are clipped but not counted (a stage's copy of weights that
+    another stage counts).
     """
     by_mesh: dict[Any, list[torch.Tensor]] = defaultdict(list)
     for p in parameters:
@@ -139,12 +149,23 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float) -> torc
     for params in by_mesh.values():
         norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    if not norms:
+    if not norms and pp_group is None:
         return torch.zeros(())
     # At least float32 (bf16 norms would round the clip factor); float64 stays float64 for parity runs.
-    total = torch.linalg.vector_norm(
-        torch.stack([n.to(torch.promote_types(n.dtype, torch.float32)) for n in norms])
+    total = (
+        torch.linalg.vector_norm(
+            torch.stack([n.to(torch.promote_types(n.dtype, torch.float32)) for n in norms])
+        )
+        if norms
+        else torch.zeros(())
     )
+    if pp_group is not None:
+        squared = total.square()
+        torch.distributed.all_reduce(squared, group=pp_group)
+        total = squared.sqrt()
+    for p in also_scale:
+        if p.grad is not None:
+            by_mesh[p.grad.device_mesh if isinstance(p.grad, DTensor) else None].append(p)
     if max_norm > 0:
         for params in by_mesh.values():  # one foreach multiply per mesh: DTensor ops cannot mix meshes
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)

@@ -61,6 +61,9 @@ class BatchMeta:
     """[T] int64 labels of the full microbatch (for heads that look beyond this rank's rows)."""
     loss_mask_full: torch.Tensor | None = None
     """[T] bool loss mask of the full microbatch."""
+    tokens: torch.Tensor | None = None
+    """[T_local] int64 token ids of this rank's rows on the compute device (hash-routed layers on
+    any pipeline stage read them here: a stage after the first gets hidden states, not ids)."""
     cache: dict[str, Any] = field(default_factory=dict)
     """Derived plans keyed by name, built lazily by `cached`."""
 
@@ -115,4 +118,5 @@ class BatchMeta:
             cp=cp,
             labels_full=None if src.labels is None else src.labels.to(device),
             loss_mask_full=None if src.loss_mask is None else src.loss_mask.to(device),
+            tokens=None if batch.tokens is None else batch.tokens.to(device),
         )

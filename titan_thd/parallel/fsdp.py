@@ -142,8 +142,9 @@ def estimate_memory_per_rank(
 
     Works on a full, a sharded (DTensor shapes are global) or a meta model. Parameters and
     gradients are stored in `dtype`; AdamW keeps two states per parameter, Muon one for the
-    parameters named in `muon_params` (AdamW for the rest). Tensor and pipeline parallelism are
-    not modelled (they are not implemented yet); activations are excluded.
+    parameters named in `muon_params` (AdamW for the rest). Under pipeline parallelism pass
+    one stage's module; tensor parallelism is not modelled (not implemented yet); activations are
+    excluded.
     """
     if optimizer not in ("adamw", "muon"):
         raise ValueError(f"estimate_memory_per_rank: optimizer {optimizer!r}, expected adamw or muon")

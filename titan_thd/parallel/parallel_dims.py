@@ -10,10 +10,12 @@ position; it asks for a *named* mesh, and every name has exactly one purpose:
 | `fsdp`  | dp x cp | parameter sharding (FSDP2); CP ranks hold the same weights, so they shard too |
 | `cp`    | cp      | context parallelism: ranks that split one microbatch's tokens           |
 | `tp`    | tp      | tensor parallelism (not implemented yet)                                |
-| `pp`    | pp      | pipeline stages (not implemented yet)                                   |
+| `pp`    | pp      | pipeline stages: ranks with the same (dp, cp, tp) coordinate, one per stage |
 
 `loss` and `fsdp` span the same ranks and share one process group; they keep separate names
 because they answer different questions (and would differ with replicated data parallelism).
+Under pipeline parallelism every stage is a dp x cp x tp grid of its own: `loss`, `fsdp`, `cp`
+and `batch` are the meshes of this rank's stage (pp is the outermost axis).
 
 A world of one process builds no mesh and needs no process group: `get_optional_mesh` returns
 None and `mesh_rank` / `mesh_size` answer 0 / 1, so single-process training starts instantly.
@@ -96,15 +98,10 @@ class ParallelDims:
         )
 
     def check_implemented(self) -> None:
-        """Tensor and pipeline parallelism are accepted for fake-PG plans but cannot train yet."""
+        """Tensor parallelism is accepted for fake-PG plans but cannot train yet."""
         if self.tp > 1:
             raise ValueError(
                 f"parallelism.tensor_parallel_degree = {self.tp}: tensor parallelism is not implemented yet "
-                "(use 1)"
-            )
-        if self.pp > 1:
-            raise ValueError(
-                f"parallelism.pipeline_parallel_degree = {self.pp}: pipeline parallelism is not implemented yet "
                 "(use 1)"
             )
 

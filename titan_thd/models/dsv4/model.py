@@ -53,22 +53,29 @@ class DSv4Model(nn.Module):
         self.head = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.mtp = nn.ModuleList(MTPBlock(args) for _ in range(args.mtp_layers))
 
-    def forward(self, tokens_T: torch.Tensor, meta: BatchMeta) -> ModelOutput:
+    def forward(self, x: torch.Tensor, meta: BatchMeta) -> ModelOutput:
+        """x: [T] token ids, or on a later pipeline stage the [T, N, d] streams of the previous one
+        (the token ids of hash-routed layers then come from meta.tokens). A stage without the
+        head returns its output streams in place of the logits."""
         args = self.args
-        plan = get_plan(meta, args, self.embed.weight.dtype)
+        if x.dim() == 1:
+            tokens_T = x
+            h_TND = self.embed(tokens_T)[:, None, :].expand(-1, args.hc_mult, -1)
+        else:
+            tokens_T, h_TND = meta.tokens, x
+        plan = get_plan(meta, args, h_TND.dtype)
         with_kl = self.training and args.indexer_loss_coeff > 0
-        h_TND = self.embed(tokens_T)[:, None, :].expand(-1, args.hc_mult, -1)
-        kl_sum = torch.zeros(
-            (), dtype=torch.promote_types(h_TND.dtype, torch.float32), device=tokens_T.device
-        )
+        kl_sum = torch.zeros((), dtype=torch.promote_types(h_TND.dtype, torch.float32), device=h_TND.device)
         for layer in self.layers.values():
             h_TND, kl = layer(h_TND, tokens_T, plan, with_kl)
             if kl is not None:
                 kl_sum = kl_sum + kl
-        logits_TV = self.head(self.norm(self.hc_head(h_TND)))
         aux: dict[str, torch.Tensor] = {}
         if with_kl:
             aux["indexer"] = args.indexer_loss_coeff * kl_sum
+        if self.head is None:
+            return ModelOutput(h_TND, aux)
+        logits_TV = self.head(self.norm(self.hc_head(h_TND)))
         if self.mtp and meta.labels_full is not None and args.mtp_loss_weight > 0:
             aux["mtp"] = args.mtp_loss_weight * self._mtp_loss_sum(h_TND, meta, plan)
         return ModelOutput(logits_TV, aux)

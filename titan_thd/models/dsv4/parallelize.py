@@ -23,6 +23,6 @@ def parallelize_dsv4(
         return model
     from titan_thd.parallel import fsdp  # lazily: pulls in FSDP2 only for multi-process runs
 
-    blocks: list[nn.Module] = list(model.layers.values()) + list(model.mtp)
+    blocks: list[nn.Module] = list(model.layers.values()) + list(model.mtp or ())
     fsdp.apply_fsdp(model, fsdp_mesh, blocks, reshard_after_forward=not parallel_dims.pp_enabled)
     return model
