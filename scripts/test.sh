@@ -6,4 +6,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 ./scripts/setup_env.sh test
 VENV="${TITAN_THD_VENV:-$ROOT/.venv}"
+# Lint first: seconds, and a style error fails CI like a test does.
+"$VENV/bin/ruff" check .
+"$VENV/bin/ruff" format --check .
 exec "$VENV/bin/python" -m pytest tests "$@"

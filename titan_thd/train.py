@@ -499,11 +499,16 @@ def check_inputs(cfg: Config, world_size: int) -> tuple[ModelSpec, Tokenizer, An
         folder = Path(job.dump_folder) / cfg.checkpoint.folder
         _check_folder("checkpoint.folder", cfg.checkpoint.folder, folder)
     tokenizer = build_tokenizer(cfg.data.tokenizer)
-    model_overrides = {
-        f.name: getattr(cfg.model, f.name)
-        for f in dataclasses.fields(cfg.model)
-        if f.name not in _NOT_MODEL_ARGS and hasattr(flavor_args, f.name)
-    }
+    knobs = [f for f in dataclasses.fields(cfg.model) if f.name not in _NOT_MODEL_ARGS]
+    model_overrides = {f.name: getattr(cfg.model, f.name) for f in knobs if hasattr(flavor_args, f.name)}
+    # A knob of another model family would otherwise be accepted and silently do nothing.
+    foreign = [f for f in knobs if f.name not in model_overrides and getattr(cfg.model, f.name) != f.default]
+    if foreign:
+        own = ", ".join(f.name for f in knobs if f.name in model_overrides) or "none"
+        raise ValueError(
+            f"model.{foreign[0].name} = {getattr(cfg.model, foreign[0].name)!r}: model {cfg.model.name} has no "
+            f"such setting (its [model] settings: {own}); remove it or use the default {foreign[0].default!r}"
+        )
     if cfg.model.hf_path:  # the checkpoint fixes the embedding size
         vocab_size = hf_vocab_size(cfg.model.hf_path, tokenizer.vocab_size)
     else:  # a multiple of 64 rows (matmul-friendly; the extra ids are never seen)

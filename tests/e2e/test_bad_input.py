@@ -198,6 +198,8 @@ CASES = [
     Case("cli unknown key", ["--training.stpes", "3"], ["command line", "'training.stpes'", "Did you mean 'steps'?"]),
     Case("cli bad table", ["--data.mock_config", "{mode"], ["data.mock_config", "'{mode'", "a table"]),
     Case("bad model flavor", ["--model.flavor", "huge"], ["model.flavor", "'huge'", "debug"]),
+    Case("knob of another model", ["--model.mtp_loss_weight", "0.3"],
+         ["model.mtp_loss_weight = 0.3", "model llama has no such setting", "attention_backend"]),
     # ---- data files
     Case("data path missing", ["--data.source", "jsonl", "--data.path", "{tmp}/none.jsonl"],
          ["data.path", "none.jsonl", "not found"]),
