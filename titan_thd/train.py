@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -248,17 +249,27 @@ class Trainer:
             for k, v in aux.items():
                 aux_sums[k] = aux_sums.get(k, 0) + v.double()
         grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm)
+        # The other data/context-parallel ranks hold the rest of the step's token sums.
+        loss_mesh = self.parallel_dims.get_optional_mesh("loss")
+        losses = {"loss": dist_utils.dist_sum(ce_sum, loss_mesh) / num_trained}
+        losses |= {k: dist_utils.dist_sum(v, loss_mesh) / num_trained for k, v in aux_sums.items()}
+        result = {"grad_norm": float(grad_norm)} | {k: float(v) for k, v in losses.items()}
+        # Global values, the same on every rank: all ranks stop here together, and a bad step
+        # never reaches the weights, the optimizer state or a checkpoint.
+        if not all(math.isfinite(v) for v in result.values()):
+            raise FloatingPointError(
+                f"step {self.step}: not finite: "
+                + ", ".join(f"{k} = {v}" for k, v in result.items())
+                + ". Stopped before the optimizer step: neither the weights nor a checkpoint hold this "
+                "step (the newest checkpoint is the last good state); lower optimizer.lr or check the data"
+            )
         lr = self.lr_schedulers.current_lr
         self.optimizers.step()
         self.lr_schedulers.step()
         after_step = self.spec.hooks.get("after_optimizer_step")
-        loss_mesh = self.parallel_dims.get_optional_mesh("loss")
         if after_step is not None:
             after_step(self.model, None if loss_mesh is None else loss_mesh.get_group())
-        # The other data/context-parallel ranks hold the rest of the step's token sums.
-        losses = {"loss": dist_utils.dist_sum(ce_sum, loss_mesh) / num_trained}
-        losses |= {k: dist_utils.dist_sum(v, loss_mesh) / num_trained for k, v in aux_sums.items()}
-        return {"grad_norm": float(grad_norm), "lr": lr} | {k: float(v) for k, v in losses.items()}
+        return result | {"lr": lr}
 
     def log(
         self, step_batch: StepBatch, result: dict[str, float], step_time: float, wall_time: float

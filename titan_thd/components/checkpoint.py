@@ -309,6 +309,8 @@ class CheckpointManager:
             if main:  # every rank is past its writes: the partial folder only takes space
                 shutil.rmtree(tmp, ignore_errors=True)
             kept = self.complete_steps()
+            with contextlib.suppress(OSError):  # the cause when a serializer hides the errno
+                error += f" ({shutil.disk_usage(self.folder).free / 1e9:.2f} GB free there)"
             raise CheckpointError(
                 f"checkpoint: saving step {step} to {self.step_dir(step)} failed: {error}. "
                 + (
