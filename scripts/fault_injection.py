@@ -203,12 +203,12 @@ class Run:
     def kill(self) -> list[int]:
         """SIGKILL the launcher's process group, as `kill -9 -<pgid>` does (run_train.sh and
         torchrun; torchrun's ranks have sessions of their own and must die with torchrun).
-        Returns the processes that survived it by 10 s (then killed one by one)."""
+        Returns the processes still running 2 s later (then killed one by one)."""
         tree = descendants(self.proc.pid)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 2
         while (alive := [p for p in tree if running(p)]) and time.monotonic() < deadline:
             time.sleep(0.01)
         for pid in alive:
@@ -384,7 +384,13 @@ class Context:
     step_period: float
     save_time: float
     rng: random.Random
+    keep: bool = False
     trials: list[dict] = field(default_factory=list)
+
+    def finish(self, dump: Path) -> None:
+        """Drop a judged folder's checkpoints (~80 MB each), unless asked to keep everything."""
+        if not self.keep:
+            shutil.rmtree(dump / "checkpoint", ignore_errors=True)
 
     def dump(self, case: str) -> Path:
         base = self.h.workdir / self.recipe.name
@@ -453,7 +459,7 @@ def kill_chains(ctx: Context, plan: list[str]) -> None:
 
                 if wait_for(saving, run, 0.002, ctx.h.timeout):
                     time.sleep(ctx.rng.uniform(0, ctx.save_time))
-            elif kind == "random":
+            elif kind == "random" and resume < r.steps:
                 target = ctx.rng.randint(resume + 1, r.steps)
                 line = re.compile(rf"step +{target} +loss")
                 if wait_for(lambda line=line, run=run: line.search(run.text()), run, 0.01, ctx.h.timeout):
@@ -502,6 +508,7 @@ def kill_chains(ctx: Context, plan: list[str]) -> None:
                 "problems": [f"after the kill: {t}" for t in torn]
                 + ([f"processes {survivors} outlived the kill of their launcher"] if survivors else []),
             }
+        ctx.finish(dump)
 
 
 def _flip(data: bytes, at: int) -> bytes:
@@ -555,6 +562,7 @@ def damaged_checkpoint(ctx: Context, kind: str, recover: bool = True) -> None:
             problems.append("the damaged folder changed after the resume")
     what = f"{what} {name}: {message.strip()[:200]}"
     ctx.record(case="damaged checkpoint file", ok=not problems, what=what, kind=kind, problems=problems)
+    ctx.finish(dump)
 
 
 def bad_step(
@@ -595,6 +603,7 @@ def bad_step(
     name = (fault + ("" if rank is None else f" on rank {rank}")) if fault else " ".join(extra)
     what = f"{name} at step {step}: " + (m.group(0)[:120] if m else "no message")
     ctx.record(case="NaN/Inf loss or gradient", ok=not problems, what=what, fault=name, problems=problems)
+    ctx.finish(dump)
 
 
 def full_disk(ctx: Context, rank: int, recover: bool = True) -> None:
@@ -624,6 +633,7 @@ def full_disk(ctx: Context, rank: int, recover: bool = True) -> None:
     message = next((line for line in log.splitlines() if want in line), "")
     what = f"ENOSPC on rank {rank} in the save of step {step}: {message.strip()[:200]}"
     ctx.record(case="full disk during a save", ok=not problems, what=what, rank=rank, problems=problems)
+    ctx.finish(dump)
 
 
 def run_recipe(h: Harness, recipe: Recipe, args: argparse.Namespace, rng: random.Random) -> list[dict]:
@@ -631,7 +641,7 @@ def run_recipe(h: Harness, recipe: Recipe, args: argparse.Namespace, rng: random
         f"{recipe.name}: reference run ({recipe.steps} steps, checkpoint every {recipe.interval})", flush=True
     )
     ref, period, save_time = reference(h, recipe)
-    ctx = Context(h, recipe, ref, period, save_time, rng)
+    ctx = Context(h, recipe, ref, period, save_time, rng, keep=args.workdir is not None)
     print(f"{recipe.name}: {period:.2f} s per step, {save_time:.2f} s per save", flush=True)
     cases = args.cases.split(",")
     if "kill" in cases:
