@@ -459,8 +459,10 @@ def kill_chains(ctx: Context, plan: list[str]) -> None:
 
                 if wait_for(saving, run, 0.002, ctx.h.timeout):
                     time.sleep(ctx.rng.uniform(0, ctx.save_time))
-            elif kind == "random" and resume < r.steps:
-                target = ctx.rng.randint(resume + 1, r.steps)
+            elif kind == "random" and resume < r.steps - 1:
+                # After the console line of a step before the last: the kill lands in the next
+                # step, a save or the metrics write; never after the run's end.
+                target = ctx.rng.randint(resume + 1, r.steps - 1)
                 line = re.compile(rf"step +{target} +loss")
                 if wait_for(lambda line=line, run=run: line.search(run.text()), run, 0.01, ctx.h.timeout):
                     time.sleep(ctx.rng.uniform(0, ctx.step_period))

@@ -400,7 +400,8 @@ class CheckpointManager:
             meta = json.loads((path / META_FILE).read_text())
         except FileNotFoundError:
             raise ValueError(
-                f"checkpoint {path}: {META_FILE} is missing (not written by titan_thd?)"
+                f"checkpoint {path}: {META_FILE} is missing (damaged, or not written by titan_thd)"
+                + self._earlier(path)
             ) from None
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ValueError(
