@@ -437,7 +437,8 @@ KILL_CASES = {"random": "SIGKILL at a random moment", "save": "SIGKILL during a 
 def kill_chains(ctx: Context, plan: list[str]) -> None:
     """SIGKILLs of the kinds in `plan` ("random": at a random moment of a random step, "save": at a
     random moment of a save that has a complete checkpoint before it), each followed by a resume
-    in the same folder. A chain ends when a run completes; the next starts in a fresh folder."""
+    in the same folder (which may be killed again). A chain ends when a run completes; the next
+    starts in a fresh folder."""
     r, plan, attempts = ctx.recipe, list(plan), 0
     while plan and attempts < 3 * len(plan) + 3:
         dump, pending = ctx.dump("kill"), None
@@ -447,24 +448,30 @@ def kill_chains(ctx: Context, plan: list[str]) -> None:
             leftovers = {p.name for p in tmp_dirs(dump)}  # of the killed run: not this run's save
             run = ctx.h.launch(r, dump)
             kind = plan[0] if plan else None
-            targets = [s for s in r.saves if s > resume and (resume or s > r.saves[0])]
+            # The kill point is drawn uniformly over the whole run (a step before the last, or a
+            # save with a complete checkpoint before it); one at or before the resume point
+            # means no kill: this run completes the chain, the next kill starts a fresh one.
             target = None
-            if kind == "save" and targets:
-                target = ctx.rng.choice(targets)
+            if kind == "save":
+                target = ctx.rng.choice(r.saves[1:])
                 folder = dump / "checkpoint"
 
                 def saving(target=target, folder=folder, leftovers=leftovers):
                     names = set(os.listdir(folder)) - leftovers if folder.is_dir() else ()
                     return any(p.startswith(f"step-{target}.tmp-") for p in names)
 
-                if wait_for(saving, run, 0.002, ctx.h.timeout):
+                if target <= resume:
+                    target = None
+                elif wait_for(saving, run, 0.002, ctx.h.timeout):
                     time.sleep(ctx.rng.uniform(0, ctx.save_time))
-            elif kind == "random" and resume < r.steps - 1:
-                # After the console line of a step before the last: the kill lands in the next
-                # step, a save or the metrics write; never after the run's end.
-                target = ctx.rng.randint(resume + 1, r.steps - 1)
+            elif kind == "random":
+                # After the console line of the step: the kill lands in the next step, a save or
+                # a metrics write, never after the end of the run.
+                target = ctx.rng.randint(1, r.steps - 1)
                 line = re.compile(rf"step +{target} +loss")
-                if wait_for(lambda line=line, run=run: line.search(run.text()), run, 0.01, ctx.h.timeout):
+                if target <= resume:
+                    target = None
+                elif wait_for(lambda line=line, run=run: line.search(run.text()), run, 0.01, ctx.h.timeout):
                     time.sleep(ctx.rng.uniform(0, ctx.step_period))
             finished = target is None or run.proc.poll() is not None
             survivors = []
