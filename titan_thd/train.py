@@ -18,6 +18,7 @@ import collections
 import dataclasses
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -30,7 +31,7 @@ from torch import nn
 
 from titan_thd import pipeline
 from titan_thd.components import hardware
-from titan_thd.components.checkpoint import CheckpointManager, model_fingerprint
+from titan_thd.components.checkpoint import CheckpointError, CheckpointManager, model_fingerprint
 from titan_thd.components.loss import cross_entropy_sum
 from titan_thd.components.lr_scheduler import LRSchedulersContainer
 from titan_thd.components.metrics import MetricsLogger, peak_tflops_per_rank, step_metrics
@@ -259,17 +260,27 @@ class Trainer:
                 pp_group=self.pipeline.group,
                 also_scale=[q for q in self.pipeline.tied if not self.pipeline.is_first],
             )
+        # The other data/context-parallel ranks hold the rest of the step's token sums.
+        loss_mesh = self.parallel_dims.get_optional_mesh("loss")
+        losses = {"loss": dist_utils.dist_sum(ce_sum, loss_mesh) / num_trained}
+        losses |= {k: dist_utils.dist_sum(v, loss_mesh) / num_trained for k, v in aux_sums.items()}
+        result = {"grad_norm": float(grad_norm)} | {k: float(v) for k, v in losses.items()}
+        # Global values, the same on every rank: all ranks stop here together, and a bad step
+        # never reaches the weights, the optimizer state or a checkpoint.
+        if not all(math.isfinite(v) for v in result.values()):
+            raise FloatingPointError(
+                f"step {self.step}: not finite: "
+                + ", ".join(f"{k} = {v}" for k, v in result.items())
+                + ". Stopped before the optimizer step: neither the weights nor a checkpoint hold this "
+                "step (the newest checkpoint is the last good state); lower optimizer.lr or check the data"
+            )
         lr = self.lr_schedulers.current_lr
         self.optimizers.step()
         self.lr_schedulers.step()
         after_step = self.spec.after_optimizer_step
-        loss_mesh = self.parallel_dims.get_optional_mesh("loss")
         if after_step is not None:
             after_step(self.model, None if loss_mesh is None else loss_mesh.get_group())
-        # The other data/context-parallel ranks hold the rest of the step's token sums.
-        losses = {"loss": dist_utils.dist_sum(ce_sum, loss_mesh) / num_trained}
-        losses |= {k: dist_utils.dist_sum(v, loss_mesh) / num_trained for k, v in aux_sums.items()}
-        return {"grad_norm": float(grad_norm), "lr": lr} | {k: float(v) for k, v in losses.items()}
+        return result | {"lr": lr}
 
     def log(
         self, step_batch: StepBatch, result: dict[str, float], step_time: float, wall_time: float
@@ -640,6 +651,9 @@ USER_ERRORS = (
     NotADirectoryError,
     PermissionError,
 )
+# What stops a run that started well: a save that failed on some rank (full disk), a non-finite
+# loss or gradient. The messages say what was kept; exit code 1.
+RUN_FAILURES = (CheckpointError, FloatingPointError)
 DEBUG_ENV = "TITAN_THD_DEBUG"
 """Environment variable: `TITAN_THD_DEBUG=1` shows the traceback of user errors too."""
 
@@ -676,6 +690,11 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except RUN_FAILURES as e:  # the run itself failed (a save, a diverging step): said in one line too
+        if debug_enabled():
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     finally:
         if trainer is not None:
             trainer.close()

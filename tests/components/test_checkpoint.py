@@ -1,7 +1,10 @@
 """CheckpointManager: bitwise round trips, atomic saves, resume selection, errors, signals,
 and resharding between 2 FSDP ranks and 1 process (references: the objects that were saved)."""
 
+import contextlib
+import errno
 import io
+import json
 import logging
 import os
 import signal
@@ -17,7 +20,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimi
 
 from tests._dist import spawn
 from tests.components._ckpt_worker import TrainState, build, manager, train_step
-from titan_thd.components.checkpoint import CheckpointManager, model_fingerprint
+from titan_thd.components import checkpoint as C
+from titan_thd.components.checkpoint import CheckpointError, CheckpointManager, model_fingerprint
 from titan_thd.config import Checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
@@ -172,6 +176,11 @@ def test_missing_shards_and_keys(tmp_path):
     with pytest.raises(ValueError, match=r"lacks entries this run needs: data$"):
         needs_more.load()
     os.remove(mgr.step_dir(3) / "__0_0.distcp")
+    with pytest.raises(ValueError, match=r"step-3 is damaged: .*step-3/__0_0\.distcp is missing"):
+        manager(tmp_path, *build(), TrainState()).load()
+    meta = json.loads((mgr.step_dir(3) / "meta.json").read_text())
+    del meta["files"]  # a checkpoint saved before meta.json listed its files
+    (mgr.step_dir(3) / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(ValueError, match=r"shard files missing: __0_0\.distcp"):
         manager(tmp_path, *build(), TrainState()).load()
 
@@ -187,6 +196,110 @@ def test_keep_latest_k_and_leftover_cleanup(tmp_path, caplog):
     assert not leftover.exists() and "left by an interrupted save" in caplog.text
     mgr.save(2, force=True)  # re-saving an older step never deletes the one just written
     assert mgr.complete_steps() == [2, 5]
+
+
+# ============================================================================ damage and full disks
+def _flip_byte(f: Path) -> None:
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one bit in the middle of the file: sizes and structure intact
+    f.write_bytes(bytes(data))
+
+
+DAMAGE = {
+    "bit flip in a shard": ("__0_0.distcp", _flip_byte, "has other contents than when saved"),
+    "truncated shard": ("__0_0.distcp", lambda f: os.truncate(f, f.stat().st_size // 2), "bytes, "),
+    "garbage DCP index": (".metadata", lambda f: f.write_bytes(b"\0" * f.stat().st_size), "other contents"),
+    "deleted shard": ("__0_0.distcp", os.remove, "is missing"),
+    "torn meta.json": ("meta.json", lambda f: f.write_text(f.read_text()[:40]), "not valid JSON"),
+}
+
+
+@pytest.mark.parametrize("kind", DAMAGE)
+def test_damaged_checkpoint_stops_the_resume_and_is_kept(tmp_path, kind):
+    """One damaged file of the newest checkpoint: a ValueError naming the folder and the file;
+    nothing is deleted or loaded; moved away, the checkpoint before it loads bitwise."""
+    model, opt, sched, _, mgr = _trained(tmp_path, steps=1, interval=1)
+    mgr.save(1)
+    at_1 = {k: v.clone() for k, v in model.state_dict().items()}
+    train_step(model, opt, sched, 2)
+    mgr.save(2)
+    name, damage, problem = DAMAGE[kind]
+    damage(mgr.step_dir(2) / name)
+    before = sorted((p.name, p.stat().st_size) for p in mgr.step_dir(2).iterdir())
+
+    model2, opt2, sched2 = build(seed=3)
+    weights = {k: v.clone() for k, v in model2.state_dict().items()}
+    with pytest.raises(ValueError) as err:
+        manager(tmp_path, model2, opt2, sched2, TrainState()).load()
+    msg = str(err.value)
+    assert f"checkpoint {mgr.step_dir(2)}" in msg and name in msg and problem in msg, msg
+    assert f"move it away (e.g. to step-2.damaged) to resume from {mgr.step_dir(1)}" in msg, msg
+    assert sorted((p.name, p.stat().st_size) for p in mgr.step_dir(2).iterdir()) == before
+    _assert_same(weights, model2.state_dict())  # nothing was loaded
+
+    os.rename(mgr.step_dir(2), tmp_path / "checkpoint" / "step-2.damaged")
+    assert manager(tmp_path, model2, opt2, sched2, TrainState()).load() == 1
+    _assert_same(at_1, model2.state_dict())
+
+
+def _full_disk_after(limit: int, where: str):
+    """FileSystem.create_stream whose files under `where` take `limit` bytes, then ENOSPC."""
+    original = C.dcp.filesystem.FileSystem.create_stream
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode):
+        with original(self, path, mode) as stream:
+            if where not in str(path):
+                yield stream
+                return
+            written = 0
+
+            class Full:  # the stream, except that it holds `limit` bytes
+                def __getattr__(self, name):
+                    return getattr(stream, name)
+
+                def write(self, b):
+                    nonlocal written
+                    if written + len(b) > limit:
+                        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+                    written += len(b)
+                    return stream.write(b)
+
+            yield Full()
+
+    return create_stream
+
+
+def test_full_disk_during_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    model, opt, sched, _, mgr = _trained(tmp_path, steps=1, interval=1)
+    mgr.save(1)
+    train_step(model, opt, sched, 2)
+    with monkeypatch.context() as m:
+        m.setattr(C.dcp.filesystem.FileSystem, "create_stream", _full_disk_after(100, "step-2.tmp-"))
+        with pytest.raises(CheckpointError) as err:
+            mgr.save(2)
+    msg = str(err.value)
+    assert f"saving step 2 to {mgr.step_dir(2)} failed: rank 0: [Errno 28] No space left on device" in msg
+    assert f"The complete checkpoints are kept (newest: {mgr.step_dir(1)})" in msg
+    assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-1"]  # no tmp left
+
+    def no_space(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "meta.json")
+
+    with monkeypatch.context() as m:  # our own meta.json, after DCP's files
+        m.setattr(C.json, "dump", no_space)
+        with pytest.raises(CheckpointError, match=r"step 2 .* failed: rank 0: \[Errno 28\] .*: 'meta.json'"):
+            mgr.save(2)
+    assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-1"]
+    assert manager(tmp_path, *build(seed=4), TrainState()).load() == 1
+    mgr.save(2)  # the disk has room again: the same manager saves
+    assert mgr.complete_steps() == [1, 2]
+
+    fresh = manager(tmp_path / "new", *build(), TrainState())
+    with monkeypatch.context() as m:
+        m.setattr(C.dcp.filesystem.FileSystem, "create_stream", _full_disk_after(0, "step-1.tmp-"))
+        with pytest.raises(CheckpointError, match="There is no complete checkpoint yet"):
+            fresh.save(1, force=True)
 
 
 def _worker(mode, dump):
@@ -320,3 +433,46 @@ def test_reshard_between_one_process_and_two_fsdp_ranks(tmp_path):
     _batch_step(model, opt, sched, 3)  # and the 2-rank step 3 is the 1-process step 3
     for name, p in model.state_dict().items():
         assert ((p - params_3[name]).abs().max() / p.abs().max()).item() <= 1e-6, name
+
+
+def _faults_on_rank_one(rank, world_size, dump):
+    """Save step 1; the disk of rank 1 (only) fills up during step 2's save; then rank 1's shard
+    of step 1 is damaged. Every rank must see each failure (none may hang in a collective)."""
+    model, opt, sched = _fsdp_setup(seed=7)
+    mgr = manager(dump, model, opt, sched, TrainState(), interval=1)
+    _batch_step(model, opt, sched, 1)
+    mgr.save(1)
+    _batch_step(model, opt, sched, 2)
+    original = C.dcp.filesystem.FileSystem.create_stream
+    if rank == 1:
+        C.dcp.filesystem.FileSystem.create_stream = _full_disk_after(1000, "step-2.tmp-")
+    try:
+        mgr.save(2)
+        save_error = None
+    except CheckpointError as e:
+        save_error = str(e)
+    finally:
+        C.dcp.filesystem.FileSystem.create_stream = original
+    torch.distributed.barrier()
+    listing = sorted(p.name for p in (dump / "checkpoint").iterdir())
+    if rank == 0:
+        _flip_byte(mgr.step_dir(1) / "__1_0.distcp")
+    torch.distributed.barrier()
+    try:
+        manager(dump, *_fsdp_setup(seed=8), TrainState()).load()
+        load_error = None
+    except ValueError as e:
+        load_error = str(e)
+    mgr.close()
+    return save_error, listing, load_error
+
+
+@pytest.mark.slow
+def test_failures_on_one_rank_stop_every_rank(tmp_path):
+    results = spawn(_faults_on_rank_one, 2, tmp_path)
+    for save_error, listing, load_error in results:
+        assert save_error is not None and "rank 1: [Errno 28] No space left on device" in save_error
+        assert "rank 0:" not in save_error and f"newest: {tmp_path / 'checkpoint' / 'step-1'}" in save_error
+        assert listing == ["step-1"]
+        assert load_error is not None and "__1_0.distcp has other contents than when saved" in load_error
+    assert results[0][0] == results[1][0] and results[0][2] == results[1][2]

@@ -1,4 +1,5 @@
 import json
+import os
 
 import pytest
 import torch
@@ -120,3 +121,97 @@ def test_peak_measured_once_and_shared_on_cpu(monkeypatch):
         peak / 4
     )
     assert M.peak_tflops_per_rank(Metrics(peak_tflops=7.0), torch.float32, cpu, local_world_size=4) == 7.0
+
+
+def _lines(path):
+    return path.read_bytes().split(b"\n")
+
+
+def test_resume_drops_a_torn_last_record_and_keeps_one_record_per_step(tmp_path, caplog):
+    """What a SIGKILL can leave: a torn last line (dropped, with a warning), records of steps after
+    the checkpoint (replaced); an older damage (a torn record with the next one glued on) and a
+    step logged twice are reported or resolved to the later record."""
+    cfg = Metrics(enable_tensorboard=False)
+    path = tmp_path / "metrics.jsonl"
+    whole = [json.dumps(_record(step=s, loss=float(s))) for s in (1, 2, 3, 2, 4, 5, 6)]
+    whole[3] = json.dumps(_record(step=2, loss=22.0))  # step 2 again, from a later resumed run
+    torn = json.dumps(_record(step=7))[:50]
+    path.write_text("\n".join(whole) + "\n" + torn)
+    with caplog.at_level("WARNING", logger="titan_thd"):
+        log = M.MetricsLogger(cfg, str(tmp_path), enabled=True)
+        log.log(_record(step=5, loss=55.0), last_step=6)
+        assert _steps(path) == [1, 2, 3, 4, 5]  # on disk at once (a kill now loses nothing)
+        log.log(_record(step=6, loss=66.0), last_step=6)
+        log.close()
+    assert "ends in a torn record (50 bytes" in caplog.text
+    assert [(r["step"], r["loss"]) for r in map(json.loads, path.read_text().splitlines())] == [
+        (1, 1.0),
+        (2, 22.0),
+        (3, 3.0),
+        (4, 4.0),
+        (5, 55.0),
+        (6, 66.0),
+    ]
+    assert not (tmp_path / "metrics.jsonl.tmp").exists()
+
+    glued = whole[2][:30] + whole[4]  # step 3 torn, step 4 glued onto it: both lost
+    path.write_text("\n".join([whole[0], whole[1], glued, whole[5]]) + "\n")
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="titan_thd"):
+        log = M.MetricsLogger(cfg, str(tmp_path), enabled=True)
+        log.log(_record(step=6), last_step=6)
+        log.close()
+    assert "line 3 is not a record: dropped" in caplog.text
+    assert "has no record of 2 of the steps before 6 (first missing: 3)" in caplog.text
+    assert _steps(path) == [1, 2, 5, 6]
+
+
+def test_a_crash_while_rebuilding_leaves_the_old_file(tmp_path, monkeypatch):
+    path = tmp_path / "metrics.jsonl"
+    old = "".join(json.dumps(_record(step=s)) + "\n" for s in range(1, 5))
+    path.write_text(old)
+
+    def killed(*args):
+        raise KeyboardInterrupt  # the process dies between writing the new file and renaming it
+
+    monkeypatch.setattr(M.os, "replace", killed)
+    log = M.MetricsLogger(Metrics(enable_tensorboard=False), str(tmp_path), enabled=True)
+    with pytest.raises(KeyboardInterrupt):
+        log.log(_record(step=3), last_step=4)
+    assert path.read_text() == old
+
+
+def _tb_scalars(tb_dir, tag):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tb_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return [(e.step, e.value) for e in acc.Scalars(tag)]
+
+
+def test_tensorboard_after_a_resume_has_one_value_per_step(tmp_path):
+    """A run killed after step 6 (its event file torn at the end) resumes from step 4: readers see
+    steps 1-4 of the first run and 5-7 of the second, once each."""
+    cfg = Metrics(enable_tensorboard=True)
+    log = M.MetricsLogger(cfg, str(tmp_path), enabled=True)
+    for step in range(1, 7):
+        log.log(_record(step=step, loss=float(step)), last_step=7)
+    assert len(_tb_scalars(tmp_path / "tb", "loss")) == 6  # flushed every step: a kill loses none
+    log.close()
+    first = next((tmp_path / "tb").iterdir())
+    os.truncate(first, first.stat().st_size - 7)  # as a kill in the middle of the last event leaves it
+    log = M.MetricsLogger(cfg, str(tmp_path), enabled=True)
+    for step in (5, 6, 7):
+        log.log(_record(step=step, loss=10.0 * step), last_step=7)
+    log.close()
+    assert len(list((tmp_path / "tb").iterdir())) == 2
+    assert _tb_scalars(tmp_path / "tb", "loss") == [
+        (1, 1.0),
+        (2, 2.0),
+        (3, 3.0),
+        (4, 4.0),
+        (5, 50.0),
+        (6, 60.0),
+        (7, 70.0),
+    ]
+    assert [s for s, _ in _tb_scalars(tmp_path / "tb", "grad_norm")] == list(range(1, 8))

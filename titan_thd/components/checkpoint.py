@@ -3,7 +3,7 @@
 Folder layout, `<job.dump_folder>/<checkpoint.folder>/`:
 
     step-40/              a complete checkpoint: DCP shards (`__<rank>_0.distcp`), `.metadata`,
-                          and `meta.json` (step, world size, model fingerprint)
+                          and `meta.json` (step, world size, model fingerprint, file checksums)
     step-60.tmp-<tag>/    a save in progress, or one a crash interrupted; never loaded
 
 What one checkpoint holds (top-level keys of the DCP state dict):
@@ -18,8 +18,23 @@ What one checkpoint holds (top-level keys of the DCP state dict):
 |                |                                                      | world size is unchanged |
 
 Atomicity: every rank writes into `step-N.tmp-<tag>`; after DCP's final collective (the
-metadata is written) and a barrier, rank 0 renames the folder to `step-N`. A rename is atomic,
-so a crash at any moment leaves either the old set of complete checkpoints or the new one.
+metadata is written), each rank's checksums and rank 0's `meta.json`, rank 0 renames the folder
+to `step-N`. A rename is atomic, so a crash at any moment leaves either the old set of complete
+checkpoints or the new one.
+
+Integrity: `meta.json` lists every other file of the checkpoint with its size and CRC-32 (each
+rank checksums the shards it wrote, from the page cache; measured on this repo's 2-core CPU box,
+CRC-32 reads 2.1 GB/s per core idle and 0.5-0.8 GB/s loaded: +0.04-0.16 s on a 76 MB save of
+0.35-0.7 s, and as much on a load). Loading verifies them first (the ranks share the files) and
+a mismatch, a missing file or an unreadable `meta.json` raises a ValueError that names the
+checkpoint folder and the file. A damaged checkpoint is never deleted, never skipped and never
+replaced by a fresh start: the run stops, and the message says to move the folder away to resume
+from the complete checkpoint before it (moving keeps it for inspection; `checkpoint.load_step`
+would resume too, but re-saving that step later replaces the damaged folder).
+
+Failures while saving (a full disk, an I/O error on any rank) raise `CheckpointError` on every
+rank with the checkpoint path and the error (`[Errno 28] No space left on device: ...`): the
+`.tmp` folder is removed (it never becomes `step-N`) and the complete checkpoints stay.
 
 Stopping: the manager installs a SIGTERM handler (`components/signals.py`); the trainer calls
 `should_stop()` after each step, then `save(step, force=True)` and exits with code 0.
@@ -35,13 +50,16 @@ import re
 import shutil
 import time
 import warnings
+import zlib
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -59,8 +77,13 @@ logger = logging.getLogger(__name__)
 STEP_DIR = re.compile(r"^step-(\d+)$")
 TMP_DIR = re.compile(r"^step-\d+\.tmp-")
 META_FILE = "meta.json"
+SHARD_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")  # DCP's FileSystemWriter: __<rank>_<n>.distcp
 RESERVED_KEYS = ("model", "optimizer", "lr_scheduler", "rng")
 _OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+class CheckpointError(RuntimeError):
+    """A save failed (e.g. a full disk); raised on every rank, the complete checkpoints are kept."""
 
 
 class Stateful(Protocol):
@@ -129,6 +152,30 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _crc32(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 23):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _all_gather(obj: Any) -> list[Any]:
+    """Every rank's `obj`, in rank order (`[obj]` alone)."""
+    if distributed.world_size() == 1:
+        return [obj]
+    out: list[Any] = [None] * distributed.world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _describe(e: BaseException) -> str:
+    """One line per failing rank; DCP wraps each rank's exception in a CheckpointException."""
+    if isinstance(e, CheckpointException):
+        return "; ".join(f"rank {rank}: {_describe(exc)}" for rank, (exc, _) in sorted(e.failures.items()))
+    return str(e) if isinstance(e, OSError) and e.errno else f"{type(e).__name__}: {e}"
 
 
 def _rng_state() -> dict[str, torch.Tensor]:
@@ -235,25 +282,46 @@ class CheckpointManager:
             for old in (p for p in self._leftovers() if p != tmp):
                 logger.warning("checkpoint: removing %s, left by an interrupted save", old)
                 shutil.rmtree(old, ignore_errors=True)
-        tmp.mkdir(parents=True, exist_ok=True)
-        with _single_process_is_fine():
-            dcp.save(self._state_dict(), storage_writer=dcp.FileSystemWriter(tmp))
+        # Each phase ends with every rank knowing whether any rank failed, so a failure on one
+        # rank stops all of them at the same point instead of leaving the others in a collective.
+        error = None
+        try:
+            with _single_process_is_fine():  # DCP creates `tmp` and gathers every rank's failure
+                dcp.save(self._state_dict(), storage_writer=dcp.FileSystemWriter(tmp))
+        except (OSError, CheckpointException) as e:
+            error = _describe(e)
+        files: dict[str, list[int]] = {}
+        if error is None:
+            try:
+                local = (self._checksums(tmp), None)
+            except OSError as e:
+                local = ({}, f"rank {distributed.rank()}: {e}")
+            for part, err in _all_gather(local):
+                files.update(part)
+                error = error or err
+        if error is None and main:
+            try:
+                self._write_meta(tmp, step, files)
+                self._publish(tmp, step)
+            except OSError as e:
+                error = f"rank 0: {e}"
+        error = distributed.broadcast_object(error)  # also: no rank returns before the rename
+        if error is not None:
+            if main:  # every rank is past its writes: the partial folder only takes space
+                shutil.rmtree(tmp, ignore_errors=True)
+            kept = self.complete_steps()
+            with contextlib.suppress(OSError):  # the cause when a serializer hides the errno
+                error += f" ({shutil.disk_usage(self.folder).free / 1e9:.2f} GB free there)"
+            raise CheckpointError(
+                f"checkpoint: saving step {step} to {self.step_dir(step)} failed: {error}. "
+                + (
+                    f"The complete checkpoints are kept (newest: {self.step_dir(kept[-1])})"
+                    if kept
+                    else "There is no complete checkpoint yet"
+                )
+            )
         if main:
-            meta = {
-                "step": step,
-                "world_size": distributed.world_size(),
-                "fingerprint": self.fingerprint,
-                "time": time.strftime("%Y-%m-%d %H:%M:%S"),
-            }
-            with open(tmp / META_FILE, "w") as f:
-                json.dump(meta, f)
-                f.flush()
-                os.fsync(f.fileno())
-        distributed.barrier()  # every rank's shards are on disk before the folder becomes visible
-        if main:
-            self._publish(tmp, step)
             self._purge(keep=step)
-        distributed.barrier()
         self._last_saved = step
         if main:
             size = sum(f.stat().st_size for f in self.step_dir(step).iterdir())
@@ -264,6 +332,31 @@ class CheckpointManager:
                 size / 1e6,
                 time.perf_counter() - start,
             )
+
+    def _checksums(self, tmp: Path) -> dict[str, list[int]]:
+        """[size, CRC-32] of the files this rank wrote (rank 0: also DCP's .metadata)."""
+        me = distributed.rank()
+        out = {}
+        for f in sorted(tmp.iterdir()):
+            m = SHARD_FILE.match(f.name)
+            if f.is_file() and f.name != META_FILE and (int(m.group(1)) == me if m else me == 0):
+                out[f.name] = [f.stat().st_size, _crc32(f)]
+        return out
+
+    def _write_meta(self, tmp: Path, step: int, files: dict[str, list[int]]) -> None:
+        on_disk = sorted(f.name for f in tmp.iterdir() if f.name != META_FILE)
+        assert on_disk == sorted(files), (on_disk, sorted(files))  # every file has one owner
+        meta = {
+            "step": step,
+            "world_size": distributed.world_size(),
+            "fingerprint": self.fingerprint,
+            "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "files": dict(sorted(files.items())),
+        }
+        with open(tmp / META_FILE, "w") as f:
+            json.dump(meta, f)
+            f.flush()
+            os.fsync(f.fileno())
 
     def _publish(self, tmp: Path, step: int) -> None:
         final = self.step_dir(step)
@@ -307,14 +400,48 @@ class CheckpointManager:
             meta = json.loads((path / META_FILE).read_text())
         except FileNotFoundError:
             raise ValueError(
-                f"checkpoint {path}: {META_FILE} is missing (not written by titan_thd?)"
+                f"checkpoint {path}: {META_FILE} is missing (damaged, or not written by titan_thd)"
+                + self._earlier(path)
             ) from None
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path / META_FILE}: invalid JSON: {e}") from None
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(
+                f"checkpoint {path} is damaged: {path / META_FILE} is not valid JSON (invalid JSON: {e}){self._earlier(path)}"
+            ) from None
+        if not isinstance(meta, dict) or not {"step", "world_size", "fingerprint"} <= set(meta):
+            raise ValueError(
+                f"checkpoint {path} is damaged: {META_FILE} lacks its fields{self._earlier(path)}"
+            )
         diffs = fingerprint_differences(meta["fingerprint"], self.fingerprint)
         if diffs:
             raise ValueError(f"checkpoint {path} was saved from another model:\n  " + "\n  ".join(diffs))
         return meta
+
+    def _earlier(self, path: Path) -> str:
+        """What the user can do about the damaged checkpoint `path` (which stays as it is)."""
+        step = int(STEP_DIR.match(path.name).group(1))
+        earlier = [s for s in self.complete_steps() if s < step]
+        where = f"resume from {self.step_dir(earlier[-1])}" if earlier else "start afresh"
+        return f". The folder is left as it is: move it away (e.g. to {path.name}.damaged) to {where}"
+
+    def _verify_files(self, path: Path, meta: dict[str, Any]) -> None:
+        """ValueError naming the first file whose size or CRC-32 differs from meta.json's list."""
+        files = sorted(meta.get("files", {}).items())
+        if not files:  # saved before checksums were recorded
+            logger.warning("checkpoint: %s has no file checksums in %s: not verified", path, META_FILE)
+            return
+        problems = []
+        for name, (size, crc) in files[distributed.rank() :: distributed.world_size()]:
+            f = path / name
+            if not f.is_file():
+                problems.append(f"{f} is missing")
+            elif f.stat().st_size != size:
+                problems.append(f"{f} has {f.stat().st_size} bytes, {size} when saved")
+            elif _crc32(f) != crc:
+                problems.append(f"{f} has other contents than when saved (CRC-32 mismatch)")
+        problems = sorted(p for part in _all_gather(problems) for p in part)
+        if problems:
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            raise ValueError(f"checkpoint {path} is damaged: {problems[0]}{more}{self._earlier(path)}")
 
     @staticmethod
     def _check_contents(path: Path, state_dict: dict[str, Any]) -> None:
@@ -354,6 +481,7 @@ class CheckpointManager:
         start = time.perf_counter()
         path = self.step_dir(step)
         meta = self._read_meta(path)
+        self._verify_files(path, meta)
         sd = self._state_dict()
         if meta["world_size"] != distributed.world_size():
             # RNG streams are per rank; a different world has different ranks.

@@ -13,7 +13,10 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -61,8 +64,25 @@ def select_device(local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+def die_with_launcher() -> None:
+    """Under torchrun (Linux): this rank is SIGKILLed when torchrun dies.
+
+    torchrun starts every rank in a session of its own, so a SIGKILL of torchrun (or of its
+    process group) used to leave the ranks training on, writing checkpoints and metrics into the
+    folder that the next run resumes from (measured: scripts/fault_injection.py).
+    """
+    parent = os.getppid()
+    if not sys.platform.startswith("linux") or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
+    if os.getppid() != parent:  # torchrun died before the call: nobody will send the signal
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def init_distributed(comm: Comm) -> DistInfo:
     """Start the process group described by `comm` and the torchrun environment."""
+    die_with_launcher()
     if comm.mode == "fake":
         if "NGPU" not in os.environ:
             raise ValueError(
