@@ -440,7 +440,8 @@ def kill_chains(ctx: Context, plan: list[str]) -> None:
     in the same folder (which may be killed again). A chain ends when a run completes; the next
     starts in a fresh folder."""
     r, plan, attempts = ctx.recipe, list(plan), 0
-    while plan and attempts < 3 * len(plan) + 3:
+    limit = 3 * len(plan) + 3  # kills, counting those meant for a save that landed after it
+    while plan and attempts < limit:
         dump, pending = ctx.dump("kill"), None
         while True:
             start = complete_steps(dump)
