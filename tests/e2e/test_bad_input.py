@@ -11,7 +11,6 @@ import gzip
 import hashlib
 import io
 import json
-import os
 import shutil
 import subprocess
 from collections.abc import Callable
@@ -21,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.e2e.test_train_cli import run_train as e2e_run_train
 from titan_thd.train import main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -479,17 +479,8 @@ def test_a_bug_keeps_its_traceback(case_dir, monkeypatch):
 
 # ============================================================================ through ./run_train.sh
 def run_train(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
-    full_env = {k: v for k, v in os.environ.items() if k != "TITAN_THD_DEBUG"}
-    full_env |= {"OMP_NUM_THREADS": "1", **env}
-    return subprocess.run(
-        ["./run_train.sh", *args],
-        cwd=ROOT,
-        env=full_env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    # The e2e helper, with the debug switch off unless a case turns it on ("" means off).
+    return e2e_run_train(*args, env={"TITAN_THD_DEBUG": "", **env}, timeout=300)
 
 
 LAUNCHER_CASES = [
