@@ -82,7 +82,7 @@ def test_cli_errors(argv, message):
         ("[training]\nsteps = 10.0\n", r"training.steps: got 10.0, expected an integer"),
         ("[training]\nmax_norm = true\n", r"training.max_norm: got True, expected a number"),
         ("[checkpoint]\nenable = 'true'\n", r"checkpoint.enable: got 'true', expected true or false"),
-        ("[model]\nname = 3\n", r"model.name: got 3, expected a string"),
+        ("[model]\nname = 3\n", r"model.name: got 3, expected one of llama, dsv4"),
         (
             "[optimiser]\nlr = 1.0\n",
             r"run.toml: unknown config section 'optimiser'. Did you mean 'optimizer'\?",

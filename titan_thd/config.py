@@ -20,9 +20,11 @@ import sys
 import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from titan_thd.parallel.context_parallel import CONFIG_CHOICES as CP_CONFIG_CHOICES
+from titan_thd.data.planner import Policy
+from titan_thd.data.sources import Schema
+from titan_thd.parallel.context_parallel import CPConfigMode
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -49,19 +51,19 @@ class Job:
 
 @dataclass
 class Model:
-    name: str = "llama"
+    name: Literal["llama", "dsv4"] = "llama"
     """Model family: `llama` (dense GQA transformer) or `dsv4` (DeepSeek-V4-Flash hybrid)."""
     flavor: str = "debug"
     """Size preset of the model family (llama: debug, bench; dsv4: micro, tiny, flash)."""
     hf_path: str = ""
     """Hugging Face checkpoint folder (config.json + safetensors) to initialise the weights from."""
-    attention_backend: str = "native"
+    attention_backend: Literal["native", "te"] = "native"
     """`native` (pure PyTorch, the reference) or `te` (Transformer Engine, CUDA only)."""
     mtp_loss_weight: float = 0.1
     """dsv4: weight of the multi-token-prediction loss."""
     indexer_loss_coeff: float = 0.01
     """dsv4: coefficient of the lightning-indexer KL loss (0 disables it)."""
-    indexer_loss_mode: str = "sparse"
+    indexer_loss_mode: Literal["dense", "sparse"] = "sparse"
     """dsv4: `dense` (KL over every visible compressed entry) or `sparse` (only the top-k)."""
     router_bias_update_rate: float = 0.001
     """dsv4: step size of the aux-loss-free expert bias update (0 freezes the bias)."""
@@ -69,12 +71,12 @@ class Model:
 
 @dataclass
 class Data:
-    source: str = "mock"
+    source: Literal["mock", "jsonl", "parquet", "packed"] = "mock"
     """`mock` (generated lengths), `jsonl`, `parquet` or `packed` (output of prepare_packed_data.py)."""
     path: str = ""
     """Dataset file or folder. Relative paths resolve against the working directory, then the
     package assets (`titan_thd/assets/`), where the embedded default dataset lives."""
-    format: str = "auto"
+    format: Literal["auto", Schema] = "auto"
     """Record schema: `auto` (detect from the columns), `messages`, `sharegpt`, `alpaca` or `text`."""
     tokenizer: str = "byte"
     """`byte` (built-in byte-level tokenizer) or a path to a Hugging Face `tokenizer.json`."""
@@ -94,7 +96,7 @@ class Data:
     """Mock source: number of samples (0 = 100,000)."""
     pad_to_multiple: int = 1
     """Pad every document to a multiple of this many tokens (zigzag CP needs 2*cp)."""
-    overlong: str = "truncate"
+    overlong: Literal["truncate", "drop"] = "truncate"
     """Documents longer than training.tokens_per_microbatch: `truncate` or `drop` (both counted)."""
     num_workers: int = 0
     """DataLoader worker processes that pack microbatches (0 = in the training process)."""
@@ -115,13 +117,13 @@ class Training:
     packed rows (one microbatch each), a multiple of the data-parallel degree."""
     tokens_per_microbatch: int = 2048
     """T: tokens per packed microbatch of one data-parallel replica, before the CP split."""
-    planner: str = "balanced"
+    planner: Policy = "balanced"
     """Microbatch planner: `balanced` (minimise the slowest replica) or `dp_balanced` (Megatron)."""
     planner_cost_attention: float = 0.0
     """Planner cost weight b of sum(len^2) relative to a = 1 per token (0 = derive from the model)."""
     max_norm: float = 1.0
     """Gradient clipping norm (0 disables clipping)."""
-    dtype: str = "float32"
+    dtype: Literal["float32", "bfloat16", "float64"] = "float32"
     """Parameter and compute dtype: `float32`, `bfloat16` or `float64` (exact parity checks)."""
     deterministic: bool = False
     """Use deterministic algorithms (for bitwise comparisons)."""
@@ -129,7 +131,7 @@ class Training:
 
 @dataclass
 class Optimizer:
-    name: str = "adamw"
+    name: Literal["adamw", "muon"] = "adamw"
     """`adamw` for every parameter, or `muon` (Muon for matrices, AdamW for the rest)."""
     lr: float = 3e-4
     """Peak learning rate."""
@@ -145,7 +147,7 @@ class Optimizer:
     """Muon momentum (Nesterov)."""
     muon_ns_steps: int = 5
     """Muon Newton-Schulz iterations."""
-    muon_ns_dtype: str = "auto"
+    muon_ns_dtype: Literal["auto", "bfloat16", "float32", "float64"] = "auto"
     """Dtype of Muon's Newton-Schulz iterations: `auto` (bfloat16 where bf16 matmuls are native:
     CUDA, CPUs with AVX512-BF16/AMX; float32 elsewhere, where bf16 is emulated and ~10x slower;
     float64 for float64 parameters; printed in the log header), `bfloat16` (torch's choice),
@@ -156,7 +158,7 @@ class Optimizer:
 class LRScheduler:
     warmup_steps: int = 2
     """Linear warmup steps: step i (from 0) uses optimizer.lr * (i + 1) / (warmup_steps + 1)."""
-    decay: str = "cosine"
+    decay: Literal["cosine", "linear", "none"] = "cosine"
     """Decay after warmup: `cosine`, `linear` or `none`."""
     min_lr_factor: float = 0.1
     """Final learning rate as a fraction of optimizer.lr."""
@@ -170,14 +172,14 @@ class Parallelism:
     """FSDP degree; -1 = the processes left after the other degrees."""
     context_parallel_degree: int = 1
     """Ranks that split one microbatch's tokens."""
-    context_parallel_mode: str = "auto"
+    context_parallel_mode: CPConfigMode = "auto"
     """`auto` (the model's mode: llama zigzag, dsv4 contiguous), `zigzag` or `contiguous`; another mode
     than the model's is refused."""
     tensor_parallel_degree: int = 1
     """Ranks that split attention heads and MLP columns."""
     pipeline_parallel_degree: int = 1
     """Pipeline stages."""
-    pipeline_parallel_schedule: str = "1F1B"
+    pipeline_parallel_schedule: Literal["1F1B", "GPipe", "Interleaved1F1B"] = "1F1B"
     """Pipeline schedule: `1F1B` (at most pp - stage microbatches in flight) or `GPipe` (all
     forwards, then all backwards). Any number of microbatches per step works, fewer than pp too.
     `Interleaved1F1B` (virtual stages) is not implemented yet."""
@@ -218,7 +220,7 @@ class Metrics:
 
 @dataclass
 class Comm:
-    mode: str = "default"
+    mode: Literal["default", "fake"] = "default"
     """`default` (torchrun process group) or `fake` (one process simulates the world; a dry run)."""
     init_timeout_seconds: int = 300
     """Timeout of process-group creation and collectives."""
@@ -236,25 +238,6 @@ class Config:
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     metrics: Metrics = field(default_factory=Metrics)
     comm: Comm = field(default_factory=Comm)
-
-
-# Fields whose value must be one of a fixed set.
-CHOICES: dict[str, tuple[str, ...]] = {
-    "model.name": ("llama", "dsv4"),
-    "model.attention_backend": ("native", "te"),
-    "model.indexer_loss_mode": ("dense", "sparse"),
-    "data.source": ("mock", "jsonl", "parquet", "packed"),
-    "data.format": ("auto", "messages", "sharegpt", "alpaca", "text"),
-    "data.overlong": ("truncate", "drop"),
-    "training.planner": ("balanced", "dp_balanced"),
-    "training.dtype": ("float32", "bfloat16", "float64"),
-    "optimizer.name": ("adamw", "muon"),
-    "optimizer.muon_ns_dtype": ("auto", "bfloat16", "float32", "float64"),
-    "lr_scheduler.decay": ("cosine", "linear", "none"),
-    "parallelism.context_parallel_mode": CP_CONFIG_CHOICES,
-    "parallelism.pipeline_parallel_schedule": ("1F1B", "GPipe", "Interleaved1F1B"),
-    "comm.mode": ("default", "fake"),
-}
 
 
 # ============================================================================ introspection
@@ -280,6 +263,20 @@ def field_docs() -> dict[str, str]:
 
 def _field_type(section_cls: type, name: str) -> Any:
     return typing.get_type_hints(section_cls)[name]
+
+
+def _choices() -> dict[str, tuple[str, ...]]:
+    """{"section.field": allowed values} of every field annotated `Literal[...]`."""
+    return {
+        f"{section}.{f.name}": typing.get_args(typ)
+        for section, cls in _section_types().items()
+        for f in fields(cls)
+        if typing.get_origin(typ := _field_type(cls, f.name)) is Literal
+    }
+
+
+CHOICES: dict[str, tuple[str, ...]] = _choices()
+"""Fields whose value must be one of a fixed set (their Literal annotations)."""
 
 
 def _closest(name: str, options: list[str]) -> str:
@@ -322,6 +319,11 @@ def _coerce(key: str, value: Any, typ: Any, from_cli: bool) -> Any:
             except ValueError:
                 pass
         raise bad("a number")
+    if typing.get_origin(typ) is Literal:
+        allowed = typing.get_args(typ)
+        if value in allowed:
+            return value
+        raise bad(f"one of {', '.join(allowed)}")
     if typ is str:
         if isinstance(value, str):
             return value

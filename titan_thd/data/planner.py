@@ -31,10 +31,13 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import numpy as np
 
-POLICIES = ("balanced", "dp_balanced")
+Policy = Literal["balanced", "dp_balanced"]
+"""Values of training.planner."""
+POLICIES: tuple[str, ...] = get_args(Policy)
 
 # Local-search limits; each accepted step strictly lowers the sorted cost vector, so these only
 # bound the time on pathological inputs.

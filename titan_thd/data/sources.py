@@ -33,10 +33,13 @@ import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal, get_args
 
 ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
 
-SCHEMAS = ("messages", "sharegpt", "alpaca", "text")
+Schema = Literal["messages", "sharegpt", "alpaca", "text"]
+"""Record schemas (data.format also accepts `auto`)."""
+SCHEMAS: tuple[str, ...] = get_args(Schema)
 INSTRUCTION_KEYS = ("instruction", "prompt", "query", "question")
 OUTPUT_KEYS = ("output", "response", "completion", "answer")
 INPUT_KEYS = ("input", "context")

@@ -26,8 +26,10 @@ CPMode = Literal["zigzag", "contiguous"]
 """zigzag: rank r takes chunks r and 2cp-1-r of every document (balances causal attention);
 contiguous: rank r takes rows [r*T/cp, (r+1)*T/cp) (a contiguous left context from one neighbour)."""
 CP_MODES: tuple[CPMode, ...] = get_args(CPMode)
-CONFIG_CHOICES: tuple[str, ...] = ("auto", *CP_MODES)
-"""Values of parallelism.context_parallel_mode; "auto" = the model's declared mode."""
+CPConfigMode = Literal["auto", "zigzag", "contiguous"]
+"""Values of parallelism.context_parallel_mode: a CPMode, or "auto" = the model's declared mode."""
+CONFIG_CHOICES: tuple[str, ...] = get_args(CPConfigMode)
+assert CONFIG_CHOICES == ("auto", *CP_MODES)
 
 
 def _round_up(value: int, multiple: int) -> int:
