@@ -73,6 +73,9 @@ class Indexer(nn.Module):
             score_nC = _scores_dense(
                 q_THI[a : a + self.chunk], w_TH[a : a + self.chunk], k_CI[lo:hi], self.head_dim
             )
+            # NaN scores (diverged weights) would break the k-per-row count below; as -inf the
+            # forward goes on and the trainer's non-finite-loss check stops the run with its message.
+            score_nC = score_nC.nan_to_num_(nan=float("-inf"))
             col_C = torch.arange(lo, hi, device=q_THI.device)
             ok_nC = (col_C >= start_n[:, None]) & (col_C < (start_n + n_vis_n)[:, None])
             score_nC.masked_fill_(~ok_nC, float("-inf"))
