@@ -2,7 +2,7 @@
 
 For K = 1, pp and 4 pp microbatches per step, pp spawned processes (gloo on CPU, one thread each;
 NCCL with one GPU per rank when as many GPUs are visible) run the schedule of
-titan_thd/pipeline.py over a llama or dsv4 model split into pp stages, on packed mock
+titan_thd/pipeline/ over a llama or dsv4 model split into pp stages (Interleaved1F1B: 2 per rank), on packed mock
 microbatches. Per stage and K:
   bubble      measured: 1 - (mean over stages of the time a stage computes) / (the step's wall
               time, the slowest stage's), where a stage computes whenever it is not inside a P2P
@@ -84,12 +84,12 @@ class _TimedSchedule(pipeline.PipelineSchedule):
         super().__init__(*args, **kwargs)
         self.wait_s, self.sent = 0.0, {}
 
-    def _p2p(self, send_next=None, send_prev=None, recv_next=False, recv_prev=False):
+    def _communicate(self, sends, recvs):
         t0 = time.perf_counter()
-        for key, t in (("forward", send_next), ("backward", send_prev)):
-            if t is not None and not (self.is_last if key == "forward" else self.is_first):
-                self.sent[key] = self.sent.get(key, 0) + t.numel() * t.element_size()
-        out = super()._p2p(send_next, send_prev, recv_next, recv_prev)
+        for _, consumer, t in sends:
+            key = "backward" if consumer.backward else "forward"
+            self.sent[key] = self.sent.get(key, 0) + t.numel() * t.element_size()
+        out = super()._communicate(sends, recvs)
         self.wait_s += time.perf_counter() - t0
         return out
 
@@ -130,11 +130,13 @@ def _stage_bench(rank: int, world_size: int, opts: dict) -> dict:
     args = dataclasses.replace(get_model_args(opts["model"], opts["flavor"]), vocab_size=opts["vocab"])
     torch.manual_seed(0)
     model = spec.build(args)
-    layers = pipeline.stage_layers(args.n_layers, world_size)
-    model = pipeline.split_model(opts["model"], model, layers, rank).to(device).train()
+    virtual = 2 if opts["schedule"] == "Interleaved1F1B" else 1
+    layers = pipeline.stage_layers(args.n_layers, world_size, virtual=virtual)
+    model = pipeline.split_model(opts["model"], model, layers, rank, world_size).to(device).train()
+    chunks = pipeline.chunk_views(opts["model"], model, layers, rank, world_size)
     shape = pipeline.boundary_shape(args, opts["tokens"])
     group = dist.new_group(list(range(world_size)))
-    sched = _TimedSchedule(model, rank, world_size, group, opts["schedule"], shape, torch.float32, device)
+    sched = _TimedSchedule(chunks, rank, world_size, group, opts["schedule"], shape, torch.float32, device)
     rows = []
     for k in opts["ks"]:
         mbs = microbatches(k, opts["tokens"], args.vocab_size, seed=k)
@@ -187,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="llama", choices=["llama", "dsv4"])
     ap.add_argument("--flavor", default="debug")
     ap.add_argument("--pp", type=int, default=2)
-    ap.add_argument("--schedule", default="1F1B", choices=["1F1B", "GPipe"])
+    ap.add_argument("--schedule", default="1F1B", choices=list(pipeline.SCHEDULES))
     ap.add_argument("--tokens", type=int, default=1024, help="tokens per microbatch (T)")
     ap.add_argument("--vocab", type=int, default=320)
     ap.add_argument("--repeats", type=int, default=3)

@@ -180,9 +180,12 @@ class Parallelism:
     pipeline_parallel_degree: int = 1
     """Pipeline stages."""
     pipeline_parallel_schedule: Literal["1F1B", "GPipe", "Interleaved1F1B"] = "1F1B"
-    """Pipeline schedule: `1F1B` (at most pp - stage microbatches in flight) or `GPipe` (all
-    forwards, then all backwards). Any number of microbatches per step works, fewer than pp too.
-    `Interleaved1F1B` (virtual stages) is not implemented yet."""
+    """Pipeline schedule: `1F1B` (at most pp - rank microbatches in flight), `GPipe` (all forwards,
+    then all backwards) or `Interleaved1F1B` (each rank runs `pipeline_parallel_virtual_stages`
+    stages, which shrinks the bubble by that factor; the planner then makes the microbatch count a
+    multiple of pp). Any number of microbatches per step works, fewer than pp too."""
+    pipeline_parallel_virtual_stages: int = 0
+    """Stages per rank under Interleaved1F1B (0 = 2 there, 1 for the other schedules)."""
     # ---- pipeline parallelism (issue 10): the stage split
     pipeline_parallel_layers_per_stage: int = 0
     """Transformer layers per pipeline stage (0 = split the layers evenly, earlier stages take
@@ -510,23 +513,37 @@ def parse_stage_layers(text: str) -> list[list[int]]:
     return stages
 
 
+def virtual_stages(p: Parallelism) -> int:
+    """Pipeline stages per rank: pipeline_parallel_virtual_stages, or its default for the schedule."""
+    if p.pipeline_parallel_virtual_stages:
+        return p.pipeline_parallel_virtual_stages
+    return 2 if p.pipeline_parallel_schedule == "Interleaved1F1B" else 1
+
+
 def _validate_pipeline(p: Parallelism) -> None:
     if p.pipeline_parallel_layers_per_stage < 0:
         raise ValueError(
             f"parallelism.pipeline_parallel_layers_per_stage: got {p.pipeline_parallel_layers_per_stage}, "
             "expected 0 (an even split) or >= 1"
         )
-    if p.pipeline_parallel_degree > 1 and p.pipeline_parallel_schedule == "Interleaved1F1B":
+    v, schedule = p.pipeline_parallel_virtual_stages, p.pipeline_parallel_schedule
+    if v < 0 or (v == 1 and schedule == "Interleaved1F1B") or (v > 1 and schedule != "Interleaved1F1B"):
         raise ValueError(
-            "parallelism.pipeline_parallel_schedule = Interleaved1F1B: virtual stages are not implemented "
-            "yet; use 1F1B or GPipe"
+            f"parallelism.pipeline_parallel_virtual_stages = {v} with pipeline_parallel_schedule = "
+            f"{schedule}: expected 0 (auto), or >= 2 with Interleaved1F1B only"
         )
     if p.pipeline_parallel_stage_layers:
         stages = parse_stage_layers(p.pipeline_parallel_stage_layers)
-        if len(stages) != p.pipeline_parallel_degree:
+        n_stages = p.pipeline_parallel_degree * virtual_stages(p)
+        if len(stages) != n_stages:
             raise ValueError(
                 f"parallelism.pipeline_parallel_stage_layers = {p.pipeline_parallel_stage_layers!r} has "
                 f"{len(stages)} stages, pipeline_parallel_degree = {p.pipeline_parallel_degree}"
+                + (
+                    f" x virtual_stages {virtual_stages(p)} = {n_stages}"
+                    if n_stages != p.pipeline_parallel_degree
+                    else ""
+                )
             )
         if p.pipeline_parallel_layers_per_stage:
             raise ValueError(

@@ -8,7 +8,7 @@ Loss (docs/design.md §3.5): every microbatch backpropagates
 where N is the GLOBAL number of trained tokens of the optimizer step (all microbatches, all data-
 and context-parallel ranks), known to every rank from the step's plan. Nothing else divides: FSDP
 sums gradients over ranks, so loss and gradients do not depend on the parallel layout. Under
-pipeline parallelism (pipeline.py) `train_step` hands the microbatches to the schedule:
+pipeline parallelism (pipeline/) `train_step` hands the microbatches to the schedule:
 the last stage backpropagates the same (CE + aux) / N, every other stage its own aux sums / N.
 """
 
@@ -42,7 +42,7 @@ from titan_thd.components.optimizer import (
     clip_grad_norm_,
     default_matrix_params,
 )
-from titan_thd.config import Config, help_text, load_config, to_toml, validate
+from titan_thd.config import Config, help_text, load_config, to_toml, validate, virtual_stages
 from titan_thd.data.batch_meta import BatchMeta, CPContext
 from titan_thd.data.cp_partition import partition
 from titan_thd.data.dataloader import StepBatch, THDDataLoader, build_dataloader
@@ -150,22 +150,25 @@ class Trainer:
         model.to(as_dtype(t.dtype))
         fingerprint = model_fingerprint([model], model=cfg.model.name, flavor=cfg.model.flavor)
         self.pipeline: pipeline.PipelineSchedule | None = None
-        if pp_layers is not None:  # keep this stage's part only (before sharding it over its dp x cp)
-            stage = self.parallel_dims.mesh_rank("pp")
+        chunks = [model]  # the modules that run forward passes: one per pipeline stage of this rank
+        if pp_layers is not None:  # keep this rank's stages only (before sharding them over dp x cp)
+            pp_rank, pp = self.parallel_dims.mesh_rank("pp"), self.parallel_dims.pp
             tied_names = pipeline.tied_first_last(cfg.model.name, model)
-            model = pipeline.split_model(cfg.model.name, model, pp_layers, stage)
-        if self.spec.parallelize is not None:
-            model = self.spec.parallelize(model, self.parallel_dims, p)
+            model = pipeline.split_model(cfg.model.name, model, pp_layers, pp_rank, pp)
+            chunks = pipeline.chunk_views(cfg.model.name, model, pp_layers, pp_rank, pp)
+        if self.spec.parallelize is not None:  # each chunk is sharded as a model of its own
+            chunks = [self.spec.parallelize(chunk, self.parallel_dims, p) for chunk in chunks]
+            model = chunks[0] if len(chunks) == 1 else model
         if fake:
             materialize_sharded(model)
         self.model = model.to(self.dist.device).train()
         if pp_layers is not None:
             tied_group = pipeline.tied_groups(self.parallel_dims) if tied_names else None
-            on_end = stage in (0, len(pp_layers) - 1)
+            on_end = pp_rank in (0, pp - 1)
             self.pipeline = pipeline.PipelineSchedule(
-                self.model,
-                stage,
-                len(pp_layers),
+                chunks,
+                pp_rank,
+                pp,
                 self.parallel_dims.get_mesh("pp").get_group(),
                 p.pipeline_parallel_schedule,
                 pipeline.boundary_shape(self.model_args, t.tokens_per_microbatch // self.parallel_dims.cp),
@@ -562,6 +565,7 @@ def pipeline_stage_layers(cfg: Config, model_args: Any) -> list[list[int]] | Non
         p.pipeline_parallel_degree,
         p.pipeline_parallel_layers_per_stage,
         p.pipeline_parallel_stage_layers,
+        virtual_stages(p),
     )
 
 
@@ -588,6 +592,9 @@ def build_loader(
         seed=t.seed,
         planner=t.planner,
         cost_attention=t.planner_cost_attention or attention_cost_weight(spec, model_args),
+        # Interleaved1F1B runs microbatches in groups of pp (its deadlock-free order for any K keeps
+        # more of them in flight when K is not a multiple).
+        microbatch_group=dims.pp if cfg.parallelism.pipeline_parallel_schedule == "Interleaved1F1B" else None,
     )
     rows = getattr(loader.steps, "rows", None)
     if rows is not None and (rows.vocab_size, rows.pad_id) != (tokenizer.vocab_size, tokenizer.pad_id):

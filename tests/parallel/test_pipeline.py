@@ -22,7 +22,16 @@ from titan_thd.data.batch_meta import BatchMeta
 from titan_thd.data.packer import pack_microbatch
 from titan_thd.models.llama.args import LlamaArgs
 from titan_thd.models.llama.model import build_llama
-from titan_thd.pipeline import PipelineSchedule, StageInput, split_model, stage_layers
+from titan_thd.pipeline import (
+    PipelineSchedule,
+    StageInput,
+    chunk_views,
+    max_in_flight,
+    rank_actions,
+    split_model,
+    stage_layers,
+    timetable,
+)
 
 
 # ============================================================================ split and errors
@@ -31,13 +40,20 @@ def test_stage_layers_defaults_and_explicit():
     assert stage_layers(43, 8)[0] == [0, 1, 2, 3, 4, 5] and sum(map(len, stage_layers(43, 8))) == 43
     assert stage_layers(6, 2, layers_per_stage=3) == [[0, 1, 2], [3, 4, 5]]
     assert stage_layers(6, 3, explicit="0-2|3,4|5") == [[0, 1, 2], [3, 4], [5]]
+    # Interleaved: pp x v stages, stage s on rank s % pp.
+    assert stage_layers(6, 2, virtual=2) == [[0, 1], [2, 3], [4], [5]]
+    assert stage_layers(8, 2, layers_per_stage=2, virtual=2) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    with pytest.raises(
+        ValueError, match=r"degree = 2 x parallelism.pipeline_parallel_virtual_stages = 3: more stages \(6\)"
+    ):
+        stage_layers(4, 2, virtual=3)
 
 
 @pytest.mark.parametrize(
     "args, message",
     [
-        ((2, 3), r"pipeline_parallel_degree = 3: more stages than the model's 2 layers"),
-        ((6, 4, 2), r"layers_per_stage = 2 x pp 4 = 8, but the model has 6 layers"),
+        ((2, 3), r"pipeline_parallel_degree = 3: more stages \(3\) than the model's 2 layers"),
+        ((6, 4, 2), r"layers_per_stage = 2 x 4 stages = 8, but the model has 6 layers"),
         ((4, 2, 0, "0,1|3"), r"misses layer\(s\) \[2\] of 4"),
         ((4, 2, 0, "0-2|2,3"), r"repeats layer\(s\) \[2\]"),
         ((4, 2, 0, "0,1|2-4"), r"layer 4 does not exist \(0..3\)"),
@@ -54,8 +70,26 @@ def test_stage_layers_errors(args, message):
     "overrides, message",
     [
         (
-            ["--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"],
-            "virtual stages are not implemented",
+            ["--parallelism.pipeline_parallel_virtual_stages", "2"],
+            r"virtual_stages = 2 with pipeline_parallel_schedule = 1F1B: expected 0 \(auto\), or >= 2 with",
+        ),
+        (
+            [
+                "--parallelism.pipeline_parallel_schedule",
+                "Interleaved1F1B",
+                "--parallelism.pipeline_parallel_virtual_stages",
+                "1",
+            ],
+            r"virtual_stages = 1 with pipeline_parallel_schedule = Interleaved1F1B",
+        ),
+        (
+            [
+                "--parallelism.pipeline_parallel_schedule",
+                "Interleaved1F1B",
+                "--parallelism.pipeline_parallel_stage_layers",
+                "0|1|2|3",
+            ],
+            r"has 4 stages, pipeline_parallel_degree = 4 x virtual_stages 2 = 8",
         ),
         (["--parallelism.pipeline_parallel_schedule", "ZBV"], "expected one of 1F1B, GPipe"),
         (
@@ -159,19 +193,21 @@ def _torch_1f1b(stage, rank: int, world_size: int, group, mbs: list, n: int) -> 
     return float(sum(loss.detach() for loss in losses)) * n if last else 0.0
 
 
-def _schedule_vs_reference(rank: int, world_size: int):
-    """Both schedules (and torch's Schedule1F1B where K >= pp) on this rank's stage;
-    (schedule, losses, worst gradient rel, names) each."""
+def _schedule_vs_reference(rank: int, world_size: int, schedules=("1F1B", "GPipe", "torch Schedule1F1B")):
+    """The schedules (torch's Schedule1F1B where K >= pp) on this rank's stages;
+    (schedule, losses, worst gradient rel, names) each. Interleaved1F1B: 2 stages per rank."""
     torch.manual_seed(0)
     full = build_llama(ARGS).to(torch.float64)
     steps = hard_steps()
-    layers = stage_layers(ARGS.n_layers, world_size)
-    stage = split_model("llama", copy.deepcopy(full), layers, rank)
+    virtual = 2 if "Interleaved1F1B" in schedules else 1
+    layers = stage_layers(ARGS.n_layers, world_size, virtual=virtual)
+    stage = split_model("llama", copy.deepcopy(full), layers, rank, world_size)
+    chunks = chunk_views("llama", stage, layers, rank, world_size)
     group = torch.distributed.new_group(list(range(world_size)))
     out = []
-    for schedule in ("1F1B", "GPipe", "torch Schedule1F1B"):
+    for schedule in schedules:
         pipe = PipelineSchedule(
-            stage,
+            chunks,
             rank,
             world_size,
             group,
@@ -226,6 +262,85 @@ def test_schedules_match_one_process_with_varying_k_and_hard_microbatches():
             print(f"{schedule}: losses {losses}, worst gradient rel {worst:.1e}")
             assert worst <= 1e-12
     assert all(ref > 0 for r in results[0] for _, ref in r[1])  # not a vacuous comparison
+
+
+@pytest.mark.slow
+def test_interleaved_matches_one_process_with_varying_k_and_hard_microbatches():
+    """pp 2 x 2 virtual stages of one layer each: rank 0 runs layers 0 and 2, rank 1 layers 1 and 3;
+    K = 1, 2, 5, 3 (odd K: the warm-up grows until the order cannot deadlock)."""
+    results = spawn(_schedule_vs_reference, 2, ("Interleaved1F1B",), timeout=240)
+    names = [r[0][3] for r in results]
+    assert {n.split(".")[1] for n in names[0] if n.startswith("layers.")} == {"0", "2"}
+    assert {n.split(".")[1] for n in names[1] if n.startswith("layers.")} == {"1", "3"}
+    assert "tok_embeddings.weight" in names[0] and "output.weight" in names[1]
+    for _, losses, worst, _ in (r[0] for r in results):
+        assert len(losses) == 4 and all(ref > 0 for _, ref in losses)
+        for got, ref in losses:
+            assert got == pytest.approx(ref, rel=1e-12, abs=1e-300)
+        assert worst <= 1e-12
+
+
+def test_timetables_run_every_action_once_in_dependency_order():
+    """For every schedule, pp, v and K: each (stage, microbatch) forward and backward runs once, after
+    its input was produced in an earlier tick, and every message is received in the tick it is sent."""
+    cases = [(s, pp, 1) for s in ("GPipe", "1F1B") for pp in (2, 3, 4, 8)]
+    cases += [("Interleaved1F1B", pp, v) for pp in (2, 3, 4, 5) for v in (2, 3)]
+    for schedule, pp, v in cases:
+        for k in range(1, 13):
+            ticks = timetable(schedule, pp, v, k)
+            assert len({len(t) for t in ticks}) == 1
+            when = {}
+            for r, rank_ticks in enumerate(ticks):
+                for t, tick in enumerate(rank_ticks):
+                    if tick.action is not None:
+                        a = tick.action
+                        key = (a.backward, a.chunk * pp + r, a.mb)
+                        assert key not in when
+                        when[key] = t
+                    for peer, consumer in tick.sends:  # the receiver posts it in the same tick
+                        assert (r, consumer) in ticks[peer][t].recvs
+            S = pp * v
+            assert len(when) == 2 * S * k, (schedule, pp, v, k)
+            for (bwd, s, m), t in when.items():
+                if not bwd and s > 0:
+                    assert when[(False, s - 1, m)] < t
+                if bwd:
+                    assert when[(False, s, m)] < t and (s == S - 1 or when[(True, s + 1, m)] < t)
+
+
+def test_schedule_orders_and_in_flight():
+    F = lambda c, m: ("F", c, m)  # noqa: E731
+    B = lambda c, m: ("B", c, m)  # noqa: E731
+    show = lambda acts: [("B" if a.backward else "F", a.chunk, a.mb) for a in acts]  # noqa: E731
+    # 1F1B on the first of 3 ranks: 2 warm-up forwards, then alternating (Megatron's order).
+    assert show(rank_actions("1F1B", 3, 1, 0, 4)) == [
+        F(0, 0),
+        F(0, 1),
+        F(0, 2),
+        B(0, 0),
+        F(0, 3),
+        B(0, 1),
+        B(0, 2),
+        B(0, 3),
+    ]
+    assert show(rank_actions("GPipe", 2, 1, 1, 2)) == [F(0, 0), F(0, 1), B(0, 0), B(0, 1)]
+    # Interleaved, pp 2, v 2, K 2, rank 1: warm-up (v-1) x 2 = 2 forwards: chunk 0 then chunk 1.
+    assert show(rank_actions("Interleaved1F1B", 2, 2, 1, 2)) == [
+        F(0, 0),
+        F(0, 1),
+        F(1, 0),
+        B(1, 0),
+        F(1, 1),
+        B(1, 1),
+        B(0, 0),
+        B(0, 1),
+    ]
+    assert [max_in_flight("1F1B", 4, 1, r, 16) for r in range(4)] == [4, 3, 2, 1]
+    assert [max_in_flight("GPipe", 2, 1, r, 6) for r in range(2)] == [6, 6]
+    # Interleaved: more chunk inputs in flight, each 1/v of a stage's layers.
+    assert [max_in_flight("Interleaved1F1B", 4, 2, r, 16) for r in range(4)] == [11, 9, 7, 5]
+    # The bubble shrinks: ticks per rank (a chunk tick is half a stage tick at v = 2).
+    assert len(timetable("Interleaved1F1B", 4, 2, 8)[0]) / 2 < len(timetable("1F1B", 4, 1, 8)[0])
 
 
 def test_boundary_shape():

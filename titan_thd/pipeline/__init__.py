@@ -1,0 +1,56 @@
+"""Pipeline parallelism: a stage split by layer (split.py) and a GPipe / 1F1B / Interleaved1F1B
+schedule (schedule.py).
+
+No metadata crosses a stage boundary. Every rank of every stage already holds the step's plan and
+its data-parallel replica's K microbatches (the dataloader gives them to all pp ranks alike), runs
+the CP partition and builds its own `BatchMeta` per microbatch. What is sent between the ranks of
+neighbouring stages is one fixed-shape tensor per microbatch and direction:
+
+    forward   stage s -> s+1   the residual stream   llama [T_local, d], dsv4 mHC [T_local, hc, d]
+    backward  stage s+1 -> s   its gradient          (same shape and dtype)
+
+    layers = stage_layers(n_layers, pp, per_stage, explicit, virtual)   # ValueError before any group
+    model = split_model(spec.name, model, layers, rank, pp)             # this rank's layers only
+    chunks = chunk_views(spec.name, model, layers, rank, pp)            # one module per stage it runs
+    pipe = PipelineSchedule(chunks, rank, pp, pp_group, "1F1B", shape, dtype, device)
+    ce_sum, aux_sums = pipe.step(inputs, num_trained)                   # sums over all stages
+
+This package sits beside `parallel/` rather than in it because it imports the loss and the batch
+metadata (components, data), which `parallel/` must not.
+"""
+
+from titan_thd.pipeline.schedule import (
+    SCHEDULES,
+    Action,
+    PipelineSchedule,
+    StageInput,
+    max_in_flight,
+    rank_actions,
+    tied_groups,
+    timetable,
+)
+from titan_thd.pipeline.split import (
+    boundary_shape,
+    chunk_views,
+    split_model,
+    stage_layers,
+    stage_summary,
+    tied_first_last,
+)
+
+__all__ = [
+    "SCHEDULES",
+    "Action",
+    "PipelineSchedule",
+    "StageInput",
+    "boundary_shape",
+    "chunk_views",
+    "max_in_flight",
+    "rank_actions",
+    "split_model",
+    "stage_layers",
+    "stage_summary",
+    "tied_first_last",
+    "tied_groups",
+    "timetable",
+]

@@ -1,0 +1,183 @@
+"""The stage split: which layers each pipeline stage runs, and each rank's part of the model.
+
+A model of n layers is cut into S stages of consecutive layers. With 1F1B and GPipe S = pp, one
+stage per rank. With Interleaved1F1B S = pp x v: rank r runs the v stages r, r + pp, r + 2pp, ...
+(its "virtual stages" or model chunks), so a microbatch visits every rank v times and the pipeline
+bubble shrinks by v. The embedding belongs to stage 0 (rank 0), the final norm and head to stage
+S - 1 (rank pp - 1).
+
+Each rank keeps one module, `split_model`'s: the full model with the other ranks' layers deleted
+(FQNs such as `layers.7` stay, so checkpoints reshard across pipeline layouts). `chunk_views` gives
+the module of each of its stages: a shallow view that shares its submodules with that rank module
+and holds only the stage's layers, so the views run the forward passes while the rank module owns
+the parameters (optimizer, checkpoint).
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from titan_thd.config import parse_stage_layers
+
+# Top-level modules of each model family that live on the first / the last stage only.
+_FIRST = {"llama": ("tok_embeddings",), "dsv4": ("embed",)}
+_LAST = {"llama": ("norm", "output"), "dsv4": ("hc_head", "norm", "head", "mtp")}
+
+
+# ============================================================================ stage split
+def stage_layers(
+    n_layers: int, pp: int, layers_per_stage: int = 0, explicit: str = "", virtual: int = 1
+) -> list[list[int]]:
+    """Layer ids of each of the pp x `virtual` stages (stage s runs on rank s % pp); ValueError
+    (one line, with the numbers) for a split that cannot be."""
+    key = "parallelism.pipeline_parallel"
+    n_stages = pp * virtual
+    what = f"pp = {pp}" if virtual == 1 else f"pp {pp} x virtual_stages {virtual} = {n_stages}"
+    if explicit:
+        stages = parse_stage_layers(explicit)
+        flat = [i for s in stages for i in s]
+        counts = collections.Counter(flat)
+        if len(stages) != n_stages:
+            raise ValueError(f"{key}_stage_layers = {explicit!r} has {len(stages)} stages, {what}")
+        if empty := [i for i, s in enumerate(stages) if not s]:
+            raise ValueError(f"{key}_stage_layers = {explicit!r}: stage {empty[0]} has no layers")
+        if bad := sorted(i for i in counts if not 0 <= i < n_layers):
+            raise ValueError(
+                f"{key}_stage_layers = {explicit!r}: layer {bad[0]} does not exist (0..{n_layers - 1})"
+            )
+        if repeated := sorted(i for i, c in counts.items() if c > 1):
+            raise ValueError(f"{key}_stage_layers = {explicit!r} repeats layer(s) {repeated}")
+        if missing := sorted(set(range(n_layers)) - set(flat)):
+            raise ValueError(f"{key}_stage_layers = {explicit!r} misses layer(s) {missing} of {n_layers}")
+        if flat != sorted(flat):
+            raise ValueError(f"{key}_stage_layers = {explicit!r}: layers must run in order across stages")
+        return stages
+    if n_stages > n_layers:
+        degree = f"{key}_degree = {pp}" + (f" x {key}_virtual_stages = {virtual}" if virtual > 1 else "")
+        raise ValueError(f"{degree}: more stages ({n_stages}) than the model's {n_layers} layers")
+    if layers_per_stage:
+        if layers_per_stage * n_stages != n_layers:
+            raise ValueError(
+                f"{key}_layers_per_stage = {layers_per_stage} x {n_stages} stages = "
+                f"{layers_per_stage * n_stages}, but the model has {n_layers} layers"
+            )
+        sizes = [layers_per_stage] * n_stages
+    else:  # even, the remainder on the first stages
+        sizes = [n_layers // n_stages + (s < n_layers % n_stages) for s in range(n_stages)]
+    starts = [sum(sizes[:s]) for s in range(n_stages)]
+    return [list(range(a, a + n)) for a, n in zip(starts, sizes)]
+
+
+def tied_first_last(model_name: str, model: nn.Module) -> tuple[str, ...]:
+    """Modules of the first stage that the last stage also needs: dsv4's MTP reads the embedding."""
+    if model_name == "dsv4" and len(model.mtp) and model.args.mtp_loss_weight > 0:
+        return ("embed",)
+    return ()
+
+
+def split_model(
+    model_name: str, model: nn.Module, layers: list[list[int]], rank: int, pp: int = 0
+) -> nn.Module:
+    """This rank's part of a full model, in place: the layers of its stages (rank, rank + pp, ...)
+    stay, the others are deleted, and the first / last stage's top-level modules are set to None
+    where they do not belong. `pp` defaults to one stage per rank."""
+    if model_name not in _FIRST:
+        raise ValueError(
+            f"model {model_name}: no pipeline stage split is defined (known: {', '.join(_FIRST)})"
+        )
+    pp = pp or len(layers)
+    keep = {str(i) for s in range(rank, len(layers), pp) for i in layers[s]}
+    for name in [n for n in model.layers if n not in keep]:
+        del model.layers[name]
+    _drop_end_modules(model_name, model, first=rank == 0, last=rank == pp - 1)
+    return model
+
+
+def chunk_views(
+    model_name: str, rank_model: nn.Module, layers: list[list[int]], rank: int, pp: int
+) -> list[nn.Module]:
+    """The module of each of this rank's stages (rank, rank + pp, ...), in order: views that share
+    `rank_model`'s submodules (so its parameters) and hold only their stage's layers. With one stage
+    per rank the only view is `rank_model` itself."""
+    stages = range(rank, len(layers), pp)
+    if len(stages) == 1:
+        return [rank_model]
+    views = []
+    for s in stages:
+        view = copy.copy(rank_model)
+        # copy.copy shares the module's dicts: give the view its own (children, hooks, ...).
+        for key, value in vars(rank_model).items():
+            if isinstance(value, dict):
+                setattr(view, key, type(value)(value))
+        view.layers = nn.ModuleDict({str(i): rank_model.layers[str(i)] for i in layers[s]})
+        _drop_end_modules(model_name, view, first=s == 0, last=s == len(layers) - 1)
+        views.append(view)
+    return views
+
+
+def _drop_end_modules(model_name: str, model: nn.Module, first: bool, last: bool) -> None:
+    tied = tied_first_last(model_name, model)
+    if not first:
+        for name in _FIRST[model_name]:
+            if not (last and name in tied):
+                setattr(model, name, None)
+    if not last:
+        for name in _LAST[model_name]:
+            setattr(model, name, None)
+
+
+def boundary_shape(model_args: Any, local_tokens: int) -> tuple[int, ...]:
+    """Shape of the tensor between two stages: the residual stream (dsv4: its hc_mult mHC copies)."""
+    hc = getattr(model_args, "hc_mult", None)
+    return (local_tokens, model_args.dim) if hc is None else (local_tokens, hc, model_args.dim)
+
+
+def stage_summary(
+    build_meta: Callable[[], nn.Module],
+    model_name: str,
+    layers: list[list[int]],
+    parallel_dims: Any,
+    schedule: str,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    optimizer: str = "adamw",
+    matrix_params: Callable[[nn.Module], list[str]] | None = None,
+) -> list[str]:
+    """One line per pipeline rank for the log header: its stages' layers, parameters, estimated
+    memory per rank and the most microbatches whose boundary input it keeps alive at once (from
+    the schedule's timetable). Built on the meta device: no memory, any size."""
+    from titan_thd.parallel.fsdp import estimate_memory_per_rank  # fsdp imports parallel_dims
+    from titan_thd.pipeline.schedule import max_in_flight
+
+    pp = parallel_dims.pp
+    virtual = len(layers) // pp
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    boundary = math.prod(shape) * itemsize / 2**20
+    full = build_meta()
+    lines = []
+    for rank in range(pp):
+        # A view that shares the full model's modules (same FQNs): one meta build for all ranks.
+        part = copy.copy(full)
+        for key, value in vars(full).items():
+            if isinstance(value, dict):
+                setattr(part, key, type(value)(value))
+        part.layers = nn.ModuleDict(full.layers)
+        split_model(model_name, part, layers, rank, pp)
+        muon = matrix_params(part) if optimizer == "muon" and matrix_params else ()
+        mem = estimate_memory_per_rank(part, parallel_dims, optimizer, dtype, muon)
+        ids = ", ".join(f"{layers[s][0]}-{layers[s][-1]}" for s in range(rank, len(layers), pp))
+        k = 4 * pp * virtual  # beyond this K the 1F1B-type schedules keep no more in flight
+        n = "K" if schedule == "GPipe" else str(max_in_flight(schedule, pp, virtual, rank, k))
+        flight = f"<= {n} x {boundary:.2f} MiB" + ("" if n == "K" else f" = {int(n) * boundary:.2f} MiB")
+        lines.append(
+            f"pp rank {rank}: layers {ids}, {sum(p.numel() for p in part.parameters()):,} parameters; "
+            f"{mem}; in-flight microbatch inputs {flight} (boundary {list(shape)}, {schedule})"
+        )
+    return lines
