@@ -267,6 +267,22 @@ class PipelineSchedule:
         self._sync_tied_grads()
         return self._sum_over_stages(sums)
 
+    @torch.no_grad()
+    def forward_only(self, inputs: list[StageInput]) -> torch.Tensor:
+        """Forward of the microbatches through every stage, no backward (validation): the CE sum of
+        this rank's rows (the last stage's), summed over the stages. Microbatch by microbatch:
+        receive, forward, send; there is no cycle, so nothing waits on itself."""
+        ce = torch.zeros((), dtype=torch.float64, device=self.device)
+        for inp in inputs:
+            x, _ = self._p2p(recv_prev=True)
+            out = self.module(inp.tokens if self.is_first else x, inp.meta)
+            if self.is_last:
+                ce += cross_entropy_sum(out.logits, inp.labels, inp.loss_mask).double()
+            else:
+                self._p2p(send_next=out.logits)
+        dist.all_reduce(ce, group=self.group)
+        return ce
+
     def _gradient_sync(self, enabled: bool) -> None:
         if isinstance(self.module, FSDPModule):
             self.module.set_requires_gradient_sync(enabled)

@@ -1,0 +1,221 @@
+"""The validation loop through the Trainer (float64, tiny llama and the dsv4 micro flavor).
+
+One process (the reference):
+- val/loss, val/ppl (and with compare_padded val/loss_padded, val/padded_diff) in the records of
+  steps 2 and 4 only (freq 2, 4 steps), in TensorBoard, on the console;
+- val/loss after step 4 equals an independent recomputation from the trained model: the held-out
+  documents of the raw token store (data/split.py's mask, not the loader), each run alone as the
+  usual shifted next-token problem (rel <= 1e-12);
+- val/padded_diff is float64 rounding (<= 1e-12 relative);
+- resumable: 2 steps, then a resumed run to 4, logs the same val/loss at steps 2 and 4 (==).
+Four gloo processes (one spawn): DP2 x CP2 zigzag (FSDP over dp x cp), PP2 x DP2 (the eval forward
+through the schedule's forward-only pass), DP4 with compare_padded (FSDP, filler rows), and dsv4
+DP2 x CP2 contiguous: every val/* value equal to one process, rel <= 1e-12 (float64: another
+summation order perturbs by ~1e-16 per operation, as in tests/test_train_layouts.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests import _tiny_llama
+from tests._dist import spawn
+from tests.conftest import TRAIN_ARGS
+from tests.test_train_layouts import records
+from titan_thd.components.loss import cross_entropy_sum
+from titan_thd.config import load_config
+from titan_thd.data.batch_meta import BatchMeta
+from titan_thd.data.split import heldout_mask
+from titan_thd.data.token_store import build_token_store
+from titan_thd.train import Trainer
+
+pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
+ROOT = Path(__file__).resolve().parents[1]
+STEPS, FRACTION, MAX_BATCHES, G, T = 4, 0.25, 3, 8, 512
+REL = 1e-12
+VAL_KEYS = ("val/loss", "val/ppl", "val/loss_padded", "val/padded_diff")
+
+
+def llama_args(dump: Path, steps: int, *extra: str) -> list[str]:
+    return [
+        *TRAIN_ARGS,
+        "--model.flavor", _tiny_llama.NAME,
+        "--data.cache_dir", str(dump.parent / "data_cache"),
+        "--data.pad_to_multiple", "4",  # zigzag CP 2 cuts every document into 4 chunks
+        "--training.steps", str(steps),
+        "--training.dtype", "float64",
+        "--optimizer.lr", "3e-3",
+        "--lr_scheduler.total_steps", str(STEPS),
+        "--checkpoint.interval", "2",
+        "--metrics.peak_tflops", "1",
+        "--metrics.log_freq", "100",
+        "--job.dump_folder", str(dump),
+        "--validation.enable", "true",
+        "--validation.fraction", str(FRACTION),
+        "--validation.freq", "2",
+        "--validation.max_batches", str(MAX_BATCHES),
+        *extra,
+    ]  # fmt: skip
+
+
+def dsv4_args(dump: Path, *extra: str) -> list[str]:
+    return [
+        "--job.config_file", str(ROOT / "train_configs" / "dsv4_flash_thd.toml"),
+        "--model.flavor", "micro",
+        "--optimizer.name", "adamw",
+        "--data.cache_dir", str(dump.parent / "data_cache"),
+        "--training.steps", "2",
+        "--training.global_batch_size", "8",
+        "--training.tokens_per_microbatch", "256",
+        "--training.dtype", "float64",
+        "--metrics.enable_tensorboard", "false",
+        "--metrics.peak_tflops", "1",
+        "--metrics.log_freq", "100",
+        "--job.dump_folder", str(dump),
+        "--validation.enable", "true",
+        "--validation.fraction", "0.1",
+        "--validation.freq", "1",
+        "--validation.max_batches", "1",
+        *extra,
+    ]  # fmt: skip
+
+
+def run(args: list[str]) -> Trainer:
+    trainer = Trainer(load_config(args))
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    return trainer
+
+
+LAYOUTS = {
+    "dp2_cp2": ["--parallelism.context_parallel_degree", "2"],
+    "pp2_dp2": ["--parallelism.pipeline_parallel_degree", "2"],
+    "dp4_padded": ["--validation.compare_padded", "true"],
+}
+
+
+def _layouts(rank: int, world_size: int, base: Path) -> None:
+    _tiny_llama.register()
+    os.environ |= {"WORLD_SIZE": str(world_size), "RANK": str(rank), "LOCAL_RANK": str(rank)}
+    for name, extra in LAYOUTS.items():
+        run(llama_args(base / name, STEPS, *extra))
+    run(dsv4_args(base / "dsv4_dp2_cp2", "--parallelism.context_parallel_degree", "2"))
+
+
+@pytest.fixture(scope="module")
+def one(tiny_llama, tmp_path_factory):
+    """One-process runs: llama straight (TensorBoard on, compare_padded), llama 2 + resumed 2, dsv4."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    base = tmp_path_factory.mktemp("val1")
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda r: lines.append(r.getMessage())
+    log = logging.getLogger("titan_thd")
+    log.addHandler(handler)
+    old_level = log.level
+    log.setLevel(logging.INFO)
+    try:
+        straight = ["--validation.compare_padded", "true", "--metrics.enable_tensorboard", "true"]
+        trainer = run(llama_args(base / "straight", STEPS, *straight))
+        run(llama_args(base / "split", 2, "--checkpoint.enable", "true"))
+        run(llama_args(base / "split", STEPS, "--checkpoint.enable", "true"))
+        run(dsv4_args(base / "dsv4", "--validation.compare_padded", "true"))
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(old_level)
+        torch.set_num_threads(threads)
+    return base, trainer, lines
+
+
+@pytest.fixture(scope="module")
+def layouts(one, tmp_path_factory):
+    base = tmp_path_factory.mktemp("val4")
+    spawn(_layouts, 4, base, timeout=600)
+    return base
+
+
+def reference_val_loss(trainer: Trainer) -> float:
+    """The held-out documents of the raw store, in order, each alone as a shifted next-token problem."""
+    cfg = trainer.cfg
+    store = build_token_store(cfg.data, trainer.tokenizer, cfg.training.seed, cfg.data.cache_dir)
+    held = np.flatnonzero(heldout_mask(len(store), FRACTION, cfg.training.seed))[: MAX_BATCHES * G]
+    assert len(held) == MAX_BATCHES * G
+    ce, n = torch.zeros((), dtype=torch.float64), 0
+    with torch.no_grad():
+        for i in held:
+            s = store[int(i)]
+            ids, target = torch.from_numpy(s.input_ids[:T]).long(), torch.from_numpy(s.target_mask[:T])
+            L = len(ids) - 1
+            cu = torch.tensor([0, L], dtype=torch.int32)
+            meta = BatchMeta(cu, cu, L, 1, torch.arange(L), None)
+            logits = trainer.model(ids[:-1], meta).logits
+            ce += cross_entropy_sum(logits, ids[1:], target[1:])
+            n += int(target[1:].sum())
+    return float(ce) / n
+
+
+def val_records(dump: Path) -> dict[int, dict]:
+    return {r["step"]: {k: v for k, v in r.items() if k.startswith("val/")} for r in records(dump)}
+
+
+@pytest.mark.slow
+def test_one_process_val_loss_records_reference_and_resume(one):
+    base, trainer, lines = one
+    got = val_records(base / "straight")
+    assert [s for s, v in got.items() if v] == [2, 4]
+    for step in (2, 4):
+        v = got[step]
+        assert sorted(v) == sorted(VAL_KEYS)
+        assert v["val/ppl"] == pytest.approx(math.exp(v["val/loss"]), rel=1e-15)
+        assert abs(v["val/padded_diff"]) <= REL * v["val/loss"]
+        assert v["val/loss_padded"] - v["val/loss"] == v["val/padded_diff"]
+    assert got[4]["val/loss"] < got[2]["val/loss"]  # it trains (lr 3e-3, 4 steps)
+    ref = reference_val_loss(trainer)
+    print(f"val/loss after step 4: {got[4]['val/loss']!r}, reference {ref!r}")
+    assert got[4]["val/loss"] == pytest.approx(ref, rel=REL, abs=0)
+    # Resumed at step 2: the same val/loss at steps 2 and 4, bitwise.
+    resumed = val_records(base / "split")
+    assert [resumed[s]["val/loss"] for s in (2, 4)] == [got[s]["val/loss"] for s in (2, 4)]
+    # TensorBoard and the console.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = EventAccumulator(str(base / "straight" / "tb")).Reload()
+    assert [(e.step, e.value) for e in tb.Scalars("val/loss")] == pytest.approx(
+        [(2, got[2]["val/loss"]), (4, got[4]["val/loss"])], rel=1e-6
+    )
+    said = [line for line in lines if line.startswith("validation after step")]
+    assert len(said) == 2 + 2 + 2 + 2  # straight (2, 4), split (2), resumed (4), dsv4 (1, 2)
+    assert f"val/loss {got[4]['val/loss']:.4f}" in said[1] and "24 documents in 3 batches" in said[1]
+    # dsv4 (per-document padded forward): float64 rounding too.
+    d = val_records(base / "dsv4")
+    assert [s for s, v in d.items() if v] == [1, 2]
+    assert all(abs(d[s]["val/padded_diff"]) <= REL * d[s]["val/loss"] for s in (1, 2))
+
+
+@pytest.mark.slow
+def test_every_layout_logs_the_one_process_val_loss(one, layouts):
+    base = one[0]
+    ref = val_records(base / "straight")
+    for name in LAYOUTS:
+        got = val_records(layouts / name)
+        for step in (2, 4):
+            keys = VAL_KEYS[:2] + (VAL_KEYS[2:] if name == "dp4_padded" else ())
+            assert sorted(got[step]) == sorted(keys), name
+            for k in keys[:3]:
+                assert got[step][k] == pytest.approx(ref[step][k], rel=REL, abs=0), (name, step, k)
+            print(
+                f"{name} step {step}: val/loss rel {abs(got[step]['val/loss'] / ref[step]['val/loss'] - 1):.1e}"
+            )
+    d_ref, d_got = val_records(base / "dsv4"), val_records(layouts / "dsv4_dp2_cp2")
+    for step in (1, 2):
+        assert d_got[step]["val/loss"] == pytest.approx(d_ref[step]["val/loss"], rel=REL, abs=0), step
