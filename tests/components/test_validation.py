@@ -30,6 +30,15 @@ CASES = [  # model, args, document lengths, T, per-document padding
 ]
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One thread: tiny matmuls gain nothing from two, and a busy machine loses a lot."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def microbatch(lengths: list[int], T: int, pad_to: int, vocab: int):
     rng = np.random.default_rng(0)
     samples = []
