@@ -222,6 +222,27 @@ class Metrics:
 
 
 @dataclass
+class Validation:
+    enable: bool = False
+    """Evaluate a held-out set every `freq` steps and after the last step (`val/loss`, `val/ppl`)."""
+    freq: int = 100
+    """Evaluate after every this many optimizer steps (the last step is always evaluated)."""
+    fraction: float = 0.0
+    """Hold out this fraction (0 < f < 1) of the training documents, chosen by a hash of the document
+    index and training.seed (the same on every layout; never trained on). Set this or `path`."""
+    path: str = ""
+    """A separate validation file, read like data.path (same data.source, data.format, tokenizer).
+    Set this or `fraction`."""
+    max_batches: int = 0
+    """Evaluate at most this many validation batches of training.global_batch_size documents each
+    (0 = the whole validation set)."""
+    compare_padded: bool = False
+    """Also run every validation batch's documents as a padded [B, S] batch (one document per row)
+    through the model's padded forward and log `val/loss_padded` and `val/padded_diff` (padded minus
+    THD; Megatron's --varlen-sbhd-validation). Needs context and pipeline parallel degree 1."""
+
+
+@dataclass
 class Comm:
     mode: Literal["default", "fake"] = "default"
     """`default` (torchrun process group) or `fake` (one process simulates the world; a dry run)."""
@@ -240,6 +261,7 @@ class Config:
     parallelism: Parallelism = field(default_factory=Parallelism)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     metrics: Metrics = field(default_factory=Metrics)
+    validation: Validation = field(default_factory=Validation)
     comm: Comm = field(default_factory=Comm)
 
 
@@ -491,6 +513,45 @@ def validate(cfg: Config) -> None:
     if cfg.data.source in ("jsonl", "parquet", "packed") and not cfg.data.path:
         raise ValueError(f"data.source = {cfg.data.source} needs data.path")
     _validate_pipeline(p)
+    _validate_validation(cfg)
+
+
+def _validate_validation(cfg: Config) -> None:
+    """[validation] checks that need no files (validation.path is checked when it is read)."""
+    v, p = cfg.validation, cfg.parallelism
+    if v.freq < 1:
+        raise ValueError(f"validation.freq: got {v.freq}, expected a positive number of steps")
+    if v.max_batches < 0:
+        raise ValueError(f"validation.max_batches: got {v.max_batches}, expected 0 (all) or a positive count")
+    if not 0.0 <= v.fraction < 1.0:
+        raise ValueError(f"validation.fraction: got {v.fraction}, expected 0 < fraction < 1 (0 = not set)")
+    if not v.enable:
+        return
+    if v.fraction and v.path:
+        raise ValueError(
+            f"validation.fraction = {v.fraction} and validation.path = {v.path!r} both choose the validation "
+            "set; set one"
+        )
+    if not v.fraction and not v.path:
+        raise ValueError(
+            "validation.enable = true needs a validation set: validation.fraction (0 < fraction < 1) or "
+            "validation.path"
+        )
+    if cfg.data.source == "packed":
+        raise ValueError(
+            "validation.enable = true with data.source = packed is not supported yet: offline-packed rows have "
+            "no per-document split; validate with data.source = jsonl or parquet"
+        )
+    if v.path and cfg.data.source == "mock":
+        raise ValueError(
+            f"validation.path = {v.path!r} with data.source = mock: a validation file needs data.source = jsonl "
+            "or parquet; for mock data use validation.fraction"
+        )
+    if v.compare_padded and (p.context_parallel_degree > 1 or p.pipeline_parallel_degree > 1):
+        raise ValueError(
+            "validation.compare_padded = true needs whole documents on one rank: got context_parallel_degree "
+            f"{p.context_parallel_degree}, pipeline_parallel_degree {p.pipeline_parallel_degree}, expected 1 and 1"
+        )
 
 
 # ---- pipeline parallelism (issue 10): checks that need no model; the layer counts are checked

@@ -42,6 +42,7 @@ from titan_thd.components.optimizer import (
     clip_grad_norm_,
     default_matrix_params,
 )
+from titan_thd.components.validation import Validator, build_stores, check_path
 from titan_thd.config import Config, help_text, load_config, to_toml, validate, virtual_stages
 from titan_thd.data.batch_meta import BatchMeta, CPContext
 from titan_thd.data.cp_partition import partition
@@ -81,6 +82,7 @@ class Trainer:
     # ---- data
     tokenizer: Tokenizer
     dataloader: THDDataLoader
+    validator: Validator | None
     # ---- model and optimisation
     model: nn.Module
     optimizers: OptimizersContainer
@@ -117,13 +119,15 @@ class Trainer:
             mode=resolve_mode(p.context_parallel_mode, cfg.model.name, self.spec.cp_mode),  # checked above
         )
 
-        store = None  # offline-packed rows (data.source = packed) are read by the dataloader itself
+        # Offline-packed rows (data.source = packed) are read by the dataloader itself.
+        store = val_store = None
         if cfg.data.source != "packed":
             cache_dir = cfg.data.cache_dir or os.path.join(cfg.job.dump_folder, "data_cache")
             # Rank 0 tokenises first; the others then read its cache instead of repeating the work.
             if self.dist.rank != 0:
                 dist_utils.barrier()
             store = build_token_store(cfg.data, self.tokenizer, t.seed, cache_dir, progress=self.dist.is_main)
+            store, val_store = build_stores(cfg, store, self.tokenizer, cache_dir, progress=self.dist.is_main)
             if self.dist.rank == 0:
                 dist_utils.barrier()
         self.dataloader = build_loader(
@@ -134,6 +138,14 @@ class Trainer:
             self.spec,
             self.model_args,
             self.tokenizer,
+        )
+        self.validator = build_validator(
+            cfg,
+            val_store,
+            self.parallel_dims,
+            self.parallel_dims.mesh_rank("batch"),
+            self.spec,
+            self.model_args,
         )
 
         # Full weights on CPU from the seed, then sharded: the same seed gives the same model on
@@ -289,29 +301,39 @@ class Trainer:
     def log(
         self, step_batch: StepBatch, result: dict[str, float], step_time: float, wall_time: float
     ) -> None:
-        aux = {k: v for k, v in result.items() if k not in ("loss", "grad_norm", "lr")}
-        record = step_metrics(
-            step=self.step,
-            loss=result["loss"],
-            grad_norm=result["grad_norm"],
-            lr=result["lr"],
-            step_time=step_time,
-            wall_time=wall_time,
-            tokens_real=step_batch.real_tokens,
-            tokens_trained=step_batch.trained_tokens,
-            tokens_slots=step_batch.slot_tokens,
-            flops=self.spec.flops_per_step(self.model_args, step_batch.doc_lengths),
-            num_microbatches=step_batch.num_microbatches,
-            imbalance=step_batch.imbalance,
-            world_size=self.dist.world_size,
-            peak_tflops=self.peak_tflops,
-            aux_losses=aux,
+        val = {k: v for k, v in result.items() if k.startswith("val/")}
+        aux = {k: v for k, v in result.items() if k not in ("loss", "grad_norm", "lr", *val)}
+        record = (
+            step_metrics(
+                step=self.step,
+                loss=result["loss"],
+                grad_norm=result["grad_norm"],
+                lr=result["lr"],
+                step_time=step_time,
+                wall_time=wall_time,
+                tokens_real=step_batch.real_tokens,
+                tokens_trained=step_batch.trained_tokens,
+                tokens_slots=step_batch.slot_tokens,
+                flops=self.spec.flops_per_step(self.model_args, step_batch.doc_lengths),
+                num_microbatches=step_batch.num_microbatches,
+                imbalance=step_batch.imbalance,
+                world_size=self.dist.world_size,
+                peak_tflops=self.peak_tflops,
+                aux_losses=aux,
+            )
+            | val
         )
         self.metrics.log(record, last_step=self.cfg.training.steps)
         self._recent_step_times.append(step_time)
         last = self.cfg.training.steps
         if self.dist.is_main and self.step < last and self.metrics.should_print(self.step, last):
             logger.info("%s", progress_line(self.step, last, self._recent_step_times))
+
+    def validate(self) -> dict[str, float]:
+        """The val/* metrics after this step when it is a validation step, else {} (docs/design.md §3.9)."""
+        if self.validator is None or not self.validator.due(self.step):
+            return {}
+        return self.validator.run(self)
 
     def train(self) -> None:
         if self.dist.fake and not self._fake_step_fits():
@@ -325,6 +347,7 @@ class Trainer:
             result = self.train_step(step_batch)
             self.tokens_seen += step_batch.real_tokens
             now = time.perf_counter()
+            result |= self.validate()
             self.log(step_batch, result, now - t0, now - start)
             self.checkpointer.save(self.step, force=self.step == self.cfg.training.steps)
             if self.checkpointer.should_stop():
@@ -419,6 +442,16 @@ class Trainer:
             c.training.tokens_per_microbatch,
             c.training.global_batch_size,
         )
+        if self.validator is not None:
+            v = c.validation
+            logger.info(
+                "validation: %d documents (%s) in %d batches, after every %d steps and the last%s",
+                self.validator.num_docs,
+                f"fraction {v.fraction} held out of the data" if v.fraction else v.path,
+                self.validator.num_batches,
+                v.freq,
+                "; padded forward compared" if v.compare_padded else "",
+            )
         if c.training.global_batch_size < d.dp:
             logger.warning(
                 "training.global_batch_size = %d samples for %d data-parallel replicas: at least %d "
@@ -552,6 +585,9 @@ def check_inputs(cfg: Config, world_size: int) -> tuple[ModelSpec, Tokenizer, An
         ) from None
     dims.check_implemented()
     pipeline_stage_layers(cfg, model_args)
+    check_path(cfg)
+    if cfg.validation.enable and cfg.validation.compare_padded and spec.padded_forward is None:
+        raise ValueError(f"validation.compare_padded = true: model {cfg.model.name} has no padded forward")
     return spec, tokenizer, model_args, dims
 
 
@@ -606,6 +642,16 @@ def build_loader(
     return loader
 
 
+def build_validator(
+    cfg: Config, store, dims: ParallelDims, dp_rank: int, spec: ModelSpec, model_args: Any
+) -> Validator | None:
+    """The validation loop of replica `dp_rank` (None without a validation set)."""
+    if store is None:
+        return None
+    cost = cfg.training.planner_cost_attention or attention_cost_weight(spec, model_args)
+    return Validator(cfg, store, dp_rank=dp_rank, dp_size=dims.dp, cp_size=dims.cp, cost_attention=cost)
+
+
 def preflight(cfg: Config) -> None:
     """Read what a run of NGPU processes (env, default 1) would read before its first step, in this one
     process and without a process group: the configuration and layout, the tokenizer, the data (tokenised
@@ -617,6 +663,8 @@ def preflight(cfg: Config) -> None:
     if cfg.data.source != "packed":
         cache_dir = cfg.data.cache_dir or os.path.join(cfg.job.dump_folder, "data_cache")
         store = build_token_store(cfg.data, tokenizer, cfg.training.seed, cache_dir, progress=True)
+        store, val_store = build_stores(cfg, store, tokenizer, cache_dir, progress=True)
+        build_validator(cfg, val_store, dims, 0, spec, model_args)
     one_process = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, num_workers=0))
     build_loader(one_process, store, dims, 0, spec, model_args, tokenizer)
     if cfg.checkpoint.enable:  # the fingerprint has global shapes: a model on the meta device has them

@@ -370,6 +370,27 @@ CASES = [
                                                     "--data.tokenizer", "{tmp}/tok.json", "--job.preflight", "true"],
          ["{tmp}/run/checkpoint/step-1", "another model"], {"run": checkpoint, "tok.json": tokenizer_json()},
          env={"NGPU": "2"}),
+    # ---- validation
+    Case("validation fraction out of range", ["--validation.enable", "true", "--validation.fraction", "1.5"],
+         ["validation.fraction", "1.5", "0 < fraction < 1"]),
+    Case("validation freq zero", ["--validation.freq", "0"], ["validation.freq", "got 0", "positive"]),
+    Case("validation without a set", ["--validation.enable", "true"],
+         ["validation.enable = true needs", "validation.fraction", "validation.path"]),
+    Case("validation fraction and path", ["--data.source", "jsonl", "--data.path", "{tmp}/a.jsonl",
+                                          "--validation.enable", "true", "--validation.fraction", "0.1",
+                                          "--validation.path", "{tmp}/a.jsonl"],
+         ["validation.fraction = 0.1", "validation.path = '{tmp}/a.jsonl'", "set one"], {"a.jsonl": jsonl(GOOD)}),
+    Case("validation path missing", ["--data.source", "jsonl", "--data.path", "{tmp}/a.jsonl",
+                                     "--validation.enable", "true", "--validation.path", "{tmp}/none.jsonl"],
+         ["validation.path", "none.jsonl", "not found"], {"a.jsonl": jsonl(GOOD)}),
+    Case("validation path with mock data", ["--validation.enable", "true", "--validation.path", "{tmp}/a.jsonl"],
+         ["validation.path", "data.source = mock", "validation.fraction"], {"a.jsonl": jsonl(GOOD)}),
+    Case("validation holds out nothing", ["--validation.enable", "true", "--validation.fraction", "0.001"],
+         ["validation.fraction = 0.001", "16 documents", "holds out 0"]),
+    Case("validation compare_padded with cp", ["--validation.enable", "true", "--validation.fraction", "0.5",
+                                               "--validation.compare_padded", "true",
+                                               "--parallelism.context_parallel_degree", "2"],
+         ["validation.compare_padded = true", "context_parallel_degree 2", "expected 1 and 1"]),
 ]  # fmt: skip
 
 

@@ -61,6 +61,10 @@ class ModelSpec:
     check_hf: Callable[[Any, str, str], None] | None = None
     """(args, model.hf_path, name of the args) -> None: check the checkpoint's config.json against the
     args before anything is built or read (ValueError on a mismatch); None = no early check."""
+    padded_forward: Callable[[nn.Module, torch.Tensor, list[int]], torch.Tensor] | None = None
+    """(model, tokens_BS, lengths_B) -> logits_BSV of a padded batch: row b holds one document in its
+    first lengths_B[b] columns, the rest is padding (its logits are ignored). A code path of its own,
+    not the packed call (validation.compare_padded compares the two); None = that switch is refused."""
     after_optimizer_step: Callable[[nn.Module, ProcessGroup | None], None] | None = None
     """(model, loss_group) -> None after every optimizer step; loss_group is the dp x cp group that
     sums the step's token losses (None on one rank), e.g. dsv4's router-bias update."""

@@ -269,6 +269,26 @@ class PipelineSchedule:
         self._sync_tied_grads()
         return self._sum_over_stages(sums)
 
+    @torch.no_grad()
+    def forward_only(self, inputs: list[StageInput]) -> torch.Tensor:
+        """Forward of the microbatches through every stage, no backward (validation): the CE sum of
+        this rank's rows, summed over the stages. Microbatch by microbatch and stage by stage, the
+        same order on every rank: receive, forward, send; a chain, so nothing waits on itself."""
+        ce = torch.zeros((), dtype=torch.float64, device=self.device)
+        for inp in inputs:
+            for chunk in range(self.virtual):
+                s = self._stage(chunk)
+                x = None
+                if s > 0:
+                    (x,) = self._communicate([], [((s - 1) % self.pp, Action(False, chunk, 0))])
+                out = self.chunks[chunk](inp.tokens if s == 0 else x, inp.meta)
+                if s == self.num_stages - 1:
+                    ce += cross_entropy_sum(out.logits, inp.labels, inp.loss_mask).double()
+                else:
+                    self._communicate([((s + 1) % self.pp, Action(False, chunk, 0), out.logits)], [])
+        dist.all_reduce(ce, group=self.group)
+        return ce
+
     def _gradient_sync(self, chunk: int, enabled: bool) -> None:
         if isinstance(self.chunks[chunk], FSDPModule):
             self.chunks[chunk].set_requires_gradient_sync(enabled)

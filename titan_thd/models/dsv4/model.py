@@ -128,6 +128,24 @@ class DSv4Model(nn.Module):
         return [m for m in self.modules() if isinstance(m, Gate) and not m.hash_routed]
 
 
+def per_document_logits(model: nn.Module, tokens_BS: torch.Tensor, lengths_B: list[int]) -> torch.Tensor:
+    """ModelSpec.padded_forward: logits_BSV of a padded batch, each row's document run alone (its own
+    one-document call: window, compressor and indexer plans of that document only, no neighbours in
+    the stream); the padding columns get zero logits."""
+    B, S = tokens_BS.shape
+    logits_BSV = None
+    for b, n in enumerate(lengths_B):
+        cu = torch.tensor([0, n], dtype=torch.int32)
+        positions = torch.arange(n, device=tokens_BS.device)
+        meta = BatchMeta(cu, cu, n, 1, positions, None, tokens=tokens_BS[b, :n])
+        logits_nV = model(tokens_BS[b, :n], meta).logits
+        if logits_BSV is None:
+            logits_BSV = logits_nV.new_zeros(B, S, logits_nV.shape[-1])
+        logits_BSV[b, :n] = logits_nV
+    assert logits_BSV is not None, "an empty padded batch"
+    return logits_BSV
+
+
 def _local(p: torch.Tensor) -> torch.Tensor:
     return p.to_local() if isinstance(p, DTensor) else p
 

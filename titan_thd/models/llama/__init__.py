@@ -1,7 +1,7 @@
 """Dense Llama-style GQA transformer on packed THD microbatches."""
 
 from titan_thd.models.llama.args import LlamaArgs, flavors, flops_per_step
-from titan_thd.models.llama.model import Llama, build_llama
+from titan_thd.models.llama.model import Llama, build_llama, padded_logits
 from titan_thd.models.llama.parallelize import parallelize_llama
 from titan_thd.models.spec import ModelSpec
 
@@ -13,6 +13,7 @@ spec = ModelSpec(
     # Only the zigzag split balances causal attention (titan_thd.ops.cp_attention).
     cp_mode="zigzag",
     parallelize=parallelize_llama,
+    padded_forward=padded_logits,
 )
 
 __all__ = ["Llama", "LlamaArgs", "build_llama", "flavors", "flops_per_step", "parallelize_llama", "spec"]

@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 from titan_thd.data.batch_meta import BatchMeta
 from titan_thd.models.llama.args import LlamaArgs
 from titan_thd.models.spec import ModelOutput, build_initialised
-from titan_thd.ops.rope import apply_rope, rope_tables
+from titan_thd.ops.rope import apply_rope, rope_cos_sin, rope_tables
 from titan_thd.ops.varlen_attention import VarlenAttention
 
 
@@ -50,7 +50,9 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
         self.inner_attention = build_inner_attention(args)
 
-    def forward(self, x_TD: torch.Tensor, meta: BatchMeta) -> torch.Tensor:
+    def forward(self, x_TD: torch.Tensor, meta: BatchMeta | None) -> torch.Tensor:
+        if meta is None:  # a padded batch [B, S, D] (Llama.forward)
+            return self._forward_padded(x_TD)
         T = x_TD.shape[0]
         # -1 heads: under tensor parallelism each rank holds a slice of the heads.
         q_THE = self.wq(x_TD).view(T, -1, self.head_dim)
@@ -60,6 +62,20 @@ class Attention(nn.Module):
         q_THE, k_TKE = apply_rope(q_THE, cos_TR, sin_TR), apply_rope(k_TKE, cos_TR, sin_TR)
         o_THE = self.inner_attention(q_THE, k_TKE, v_TKE, meta)
         return self.wo(o_THE.reshape(T, -1))
+
+    def _forward_padded(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        """Every row one document from column 0: positions 0..S-1 and one causal SDPA over [B, H, S, E]
+        (a real token never sees the padding after its document)."""
+        B, S, _ = x_BSD.shape
+        q_BSHE = self.wq(x_BSD).view(B, S, -1, self.head_dim)
+        k_BSKE = self.wk(x_BSD).view(B, S, -1, self.head_dim)
+        v_BSKE = self.wv(x_BSD).view(B, S, -1, self.head_dim)
+        positions_S = torch.arange(S, device=x_BSD.device)
+        cos_SR, sin_SR = rope_cos_sin(positions_S, self.head_dim, self.rope_theta, x_BSD.dtype)
+        q_BSHE, k_BSKE = apply_rope(q_BSHE, cos_SR, sin_SR), apply_rope(k_BSKE, cos_SR, sin_SR)
+        q, k, v = (x.transpose(1, 2) for x in (q_BSHE, k_BSKE, v_BSKE))
+        o_BHSE = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+        return self.wo(o_BHSE.transpose(1, 2).reshape(B, S, -1))
 
 
 class FeedForward(nn.Module):
@@ -81,7 +97,7 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
 
-    def forward(self, x_TD: torch.Tensor, meta: BatchMeta) -> torch.Tensor:
+    def forward(self, x_TD: torch.Tensor, meta: BatchMeta | None) -> torch.Tensor:
         h_TD = x_TD + self.attention(self.attention_norm(x_TD), meta)
         return h_TD + self.feed_forward(self.ffn_norm(h_TD))
 
@@ -95,8 +111,9 @@ class Llama(nn.Module):
         self.norm: nn.RMSNorm | None = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
 
-    def forward(self, tokens_T: torch.Tensor, meta: BatchMeta) -> ModelOutput:
-        """tokens_T: [T] ids (or [T, D] hidden states on a pipeline stage without embeddings)."""
+    def forward(self, tokens_T: torch.Tensor, meta: BatchMeta | None) -> ModelOutput:
+        """tokens_T: [T] ids (or [T, D] hidden states on a pipeline stage without embeddings); with
+        meta None a padded batch [B, S] of ids, one document per row from column 0 (padded_logits)."""
         h_TD = self.tok_embeddings(tokens_T) if self.tok_embeddings is not None else tokens_T
         for layer in self.layers.values():
             h_TD = layer(h_TD, meta)
@@ -129,6 +146,13 @@ class Llama(nn.Module):
             nn.init.ones_(_local(self.norm.weight))
         if self.output is not None:
             _trunc_normal(self.output.weight, self.args.dim**-0.5)
+
+
+def padded_logits(model: nn.Module, tokens_BS: torch.Tensor, lengths_B: list[int]) -> torch.Tensor:
+    """ModelSpec.padded_forward: logits_BSV of a padded batch, through the model's padded path
+    (batched causal SDPA over [B, H, S, E] instead of the per-document varlen kernel). The lengths
+    are not needed: causal attention keeps each row's padding behind its document."""
+    return model(tokens_BS, None).logits
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:
