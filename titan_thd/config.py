@@ -78,6 +78,9 @@ class Data:
     """Record schema: `auto` (detect from the columns), `messages`, `sharegpt`, `alpaca` or `text`."""
     tokenizer: str = "byte"
     """`byte` (built-in byte-level tokenizer) or a path to a Hugging Face `tokenizer.json`."""
+    chat_template: str = "auto"
+    """How chat records are rendered: `simple` (the project's markers), `deepseek` (DeepSeek-V4's own
+    format, needs its tokenizer.json) or `auto` (deepseek for a tokenizer with DeepSeek's chat tokens)."""
     mock_config: dict = field(
         default_factory=lambda: {
             "mode": "distribution",
@@ -102,6 +105,9 @@ class Data:
     """Shuffle the sample order every epoch (seeded by training.seed and the epoch)."""
     cache_dir: str = ""
     """Where tokenised datasets are cached (empty = <dump_folder>/data_cache)."""
+    packed_replan: bool = True
+    """data.source = packed: plan the documents of each step's rows again over the DP x CP ranks with
+    training.planner (Megatron's _unpack_batch); false trains each packed row as one microbatch."""
 
 
 @dataclass
@@ -246,6 +252,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "data.source": ("mock", "jsonl", "parquet", "packed"),
     "data.format": ("auto", "messages", "sharegpt", "alpaca", "text"),
     "data.overlong": ("truncate", "drop"),
+    "data.chat_template": ("auto", "simple", "deepseek"),
     "training.planner": ("balanced", "dp_balanced"),
     "training.dtype": ("float32", "bfloat16", "float64"),
     "optimizer.name": ("adamw", "muon"),

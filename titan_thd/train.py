@@ -510,7 +510,7 @@ def check_inputs(cfg: Config, world_size: int) -> tuple[ModelSpec, Tokenizer, An
     if cfg.checkpoint.enable:
         folder = Path(job.dump_folder) / cfg.checkpoint.folder
         _check_folder("checkpoint.folder", cfg.checkpoint.folder, folder)
-    tokenizer = build_tokenizer(cfg.data.tokenizer)
+    tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.data.chat_template)
     knobs = [f for f in dataclasses.fields(cfg.model) if f.name not in _NOT_MODEL_ARGS]
     model_overrides = {f.name: getattr(cfg.model, f.name) for f in knobs if hasattr(flavor_args, f.name)}
     # A knob of another model family would otherwise be accepted and silently do nothing.
@@ -588,6 +588,7 @@ def build_loader(
         seed=t.seed,
         planner=t.planner,
         cost_attention=t.planner_cost_attention or attention_cost_weight(spec, model_args),
+        tokenizer=tokenizer,
     )
     rows = getattr(loader.steps, "rows", None)
     if rows is not None and (rows.vocab_size, rows.pad_id) != (tokenizer.vocab_size, tokenizer.pad_id):
