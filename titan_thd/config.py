@@ -177,8 +177,12 @@ class Parallelism:
     context_parallel_degree: int = 1
     """Ranks that split one microbatch's tokens."""
     context_parallel_mode: str = "auto"
-    """`auto` (the model's mode: llama zigzag, dsv4 contiguous), `zigzag` or `contiguous`; another mode
-    than the model's is refused."""
+    """`auto` (the model's mode: llama zigzag, dsv4 contiguous), `zigzag`, `contiguous` or `hybrid`
+    (zigzag models: short documents whole on one rank, only long ones zigzagged); another mode than
+    the model's is refused."""
+    hybrid_cp_threshold: int = 0
+    """context_parallel_mode = hybrid: documents with a padded length below this stay whole on one CP
+    rank (0 = T / context_parallel_degree, what one rank holds)."""
     tensor_parallel_degree: int = 1
     """Ranks that split attention heads and MLP columns."""
     pipeline_parallel_degree: int = 1
@@ -479,6 +483,7 @@ def validate(cfg: Config) -> None:
         raise ValueError("checkpoint.keep_latest_k: got 1, expected 0 (keep all) or >= 2")
     for key in ("context_parallel_degree", "tensor_parallel_degree", "pipeline_parallel_degree"):
         positive(f"parallelism.{key}", getattr(p, key))
+    positive("parallelism.hybrid_cp_threshold", p.hybrid_cp_threshold, allow_zero=True)
     if p.data_parallel_shard_degree == 0 or p.data_parallel_shard_degree < -1:
         raise ValueError(
             f"parallelism.data_parallel_shard_degree: got {p.data_parallel_shard_degree}, expected -1 or >= 1"

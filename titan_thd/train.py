@@ -115,6 +115,7 @@ class Trainer:
             rank=self.parallel_dims.mesh_rank("cp"),
             group=None if cp_mesh is None else cp_mesh.get_group(),
             mode=resolve_mode(p.context_parallel_mode, cfg.model.name, self.spec.cp_mode),  # checked above
+            hybrid_threshold=p.hybrid_cp_threshold or t.tokens_per_microbatch // self.parallel_dims.cp,
         )
 
         store = None  # offline-packed rows (data.source = packed) are read by the dataloader itself
@@ -230,7 +231,9 @@ class Trainer:
     def local_inputs(self, microbatch: PackedBatch) -> pipeline.StageInput:
         """This rank's rows of a microbatch and their BatchMeta (every rank builds its own)."""
         local = (
-            partition(microbatch, self.cp.size, self.cp.rank, self.cp.mode) if self.cp.enabled else microbatch
+            partition(microbatch, self.cp.size, self.cp.rank, self.cp.mode, self.cp.hybrid_threshold)
+            if self.cp.enabled
+            else microbatch
         )
         meta = BatchMeta.from_batch(local, cp=self.cp, full=microbatch, device=self.dist.device)
         dev = self.dist.device
