@@ -24,8 +24,11 @@ group, forward + backward; t = T / cp rows per rank, kv = 2 K E elements (K and 
   all-to-all  head-parallel (Ulysses): q, k, v to head shards and the output back, the same for
               the gradients: 2 (cp - 1) t (2H + 2K) E; needs cp | K (else K/V heads are
               replicated and it moves more).
+  hybrid      (docs/data.md §4) documents shorter than T / cp stay whole on one rank; only the
+              zigzagged long ones' rows (s_split in all) are all-gathered: 2 (cp - 1) s_split kv.
+              Timed like zigzag on the same microbatch ("hybrid_bytes", "hybrid_step" in --json).
 The microbatch is padded per document to 2 * max(cp) for every degree, so all degrees do the same
-work.
+work. `--seed-lengths`: the lognormal lengths of Megatron's mock SFT example, scaled to T.
 
 Step time: forward + backward of the whole model on one microbatch in cp spawned gloo processes
 (one thread each; more processes than cores are time-sliced, so CP = 4 on 2 cores is
@@ -33,6 +36,7 @@ oversubscribed and its wall time is not a speedup measurement; the CPU-seconds c
 
     .venv/bin/python scripts/bench_cp.py --model dsv4 --json /tmp/bench_cp.json
     .venv/bin/python scripts/bench_cp.py --model llama --json /tmp/bench_cp_llama.json
+    .venv/bin/python scripts/bench_cp.py --model llama --cp 1,2 --seed-lengths --json /tmp/bench_cp_hybrid.json
 """
 
 from __future__ import annotations
@@ -55,7 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from titan_thd.components.loss import cross_entropy_sum
 from titan_thd.data.batch_meta import BatchMeta, CPContext
-from titan_thd.data.cp_partition import partition
+from titan_thd.data.cp_partition import hybrid_layout, partition
 from titan_thd.data.mock import mock_lengths
 from titan_thd.data.packer import pack_microbatch
 from titan_thd.models.dsv4 import DSv4Args, build_dsv4, flavors
@@ -76,26 +80,46 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--flavor", default="", help="model flavor (default: dsv4 tiny, llama debug)")
     p.add_argument("--tokens", type=int, default=2048, help="T: rows of the microbatch before the split")
     p.add_argument("--cp", default="1,2,4", help="CP degrees to time")
-    p.add_argument("--mean-doc", type=int, default=400, help="mean document length (lognormal, sigma 1)")
+    p.add_argument("--mean-doc", type=int, default=400, help="mean document length (lognormal)")
+    p.add_argument(
+        "--sigma", type=float, default=1.0, help="lognormal sigma (Megatron's mock SFT example: 1.1)"
+    )
+    p.add_argument(
+        "--seed-lengths",
+        action="store_true",
+        help="llama: the lengths of Megatron's mock SFT example scaled to T (min T/8, max T, mean T/2, sigma 1.1)",
+    )
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default="")
     return p.parse_args(argv)
 
 
-def microbatch(T: int, vocab: int, mean_doc: int, seed: int, pad_to_multiple: int = 1):
-    """One packed microbatch of seeded lognormal documents (in order until T is full, tail padding)."""
+def microbatch(
+    T: int,
+    vocab: int,
+    mean_doc: int,
+    seed: int,
+    pad_to_multiple: int = 1,
+    sigma: float = 1.0,
+    min_len: int = 2,
+    truncate: bool = True,
+):
+    """One packed microbatch of seeded lognormal documents (in order until T is full, tail padding).
+    truncate=False: a document that does not fit is skipped, not cut (first fit over the stream)."""
     cfg = {
         "mode": "distribution",
         "type": "lognormal",
-        "min_seq_len": 2,
+        "min_seq_len": min_len,
         "max_seq_len": T,
         "mean_seq_len": mean_doc,
-        "lognormal_sigma": 1.0,
+        "lognormal_sigma": sigma,
     }
     rng = np.random.default_rng(seed)
     docs, used = [], 0
     for n in mock_lengths(cfg, 1000, seed).tolist():
+        if not truncate and -(-n // pad_to_multiple) * pad_to_multiple > T - used:
+            continue
         n = min(n, (T - used) // pad_to_multiple * pad_to_multiple)
         if n < 2:
             break
@@ -170,8 +194,10 @@ _BUILDERS: dict[str, Callable] = {"dsv4": build_dsv4, "llama": build_llama}
 
 def _step_worker(rank: int, world: int, model_name: str, args, mode: str, batch, repeats: int) -> dict:
     """One instrumented fwd+bwd (bytes), then `repeats` timed ones (wall and CPU seconds)."""
-    cp = CPContext(size=world, rank=rank, group=dist.group.WORLD if world > 1 else None, mode=mode)
-    local = partition(batch, world, rank, mode)
+    threshold = batch.total_tokens // world  # hybrid: the default, T / cp
+    group = dist.group.WORLD if world > 1 else None
+    cp = CPContext(size=world, rank=rank, group=group, mode=mode, hybrid_threshold=threshold)
+    local = partition(batch, world, rank, mode, threshold)
     torch.manual_seed(0)
     model = _BUILDERS[model_name](args).train()
     counts, phase = {"forward": 0, "backward": 0}, ["forward"]
@@ -283,7 +309,21 @@ def bench_llama(opts: argparse.Namespace) -> dict:
     args = llama_flavors[opts.flavor]
     degrees = [int(c) for c in opts.cp.split(",")]
     pad = 2 * max(degrees)  # zigzag: every document a multiple of 2 cp, the same batch for every cp
-    batch = microbatch(opts.tokens, args.vocab_size, opts.mean_doc, opts.seed, pad_to_multiple=pad)
+    if opts.seed_lengths:  # the PR's {"min_seq_len": 1024, "max_seq_len": 8192, "mean_seq_len": 4096} at 8192
+        opts.mean_doc, opts.sigma, min_len = opts.tokens // 2, 1.1, opts.tokens // 8
+    else:
+        min_len = 2
+    truncate = not opts.seed_lengths
+    batch = microbatch(
+        opts.tokens,
+        args.vocab_size,
+        opts.mean_doc,
+        opts.seed,
+        pad_to_multiple=pad,
+        sigma=opts.sigma,
+        min_len=min_len,
+        truncate=truncate,
+    )
     elem = torch.zeros((), dtype=torch.float32).element_size()
     docs = int((batch.seqlens > 0).sum())
     print(
@@ -307,6 +347,44 @@ def bench_llama(opts: argparse.Namespace) -> dict:
 
     analytic = {cp: report["bytes"][str(cp)]["model"]["all_gather"] for cp in degrees if cp > 1}
     report["step"] = time_steps("llama", args, "zigzag", batch, degrees, opts.repeats, analytic)
+
+    # Hybrid CP (docs/data.md §4): documents shorter than T / cp stay whole, only the long ones are
+    # all-gathered, so the bytes shrink with the long documents' share of the rows.
+    print("\nhybrid CP (documents below T / cp whole on one rank): bytes vs zigzag, per layer per microbatch")
+    print(
+        f"{'cp':>3} {'split docs':>10} {'split rows':>10} {'hybrid KiB':>11} {'zigzag KiB':>11} {'ratio':>7}"
+    )
+    hybrid = {}
+    real, padded = batch.seqlens.tolist(), batch.seqlens_padded.tolist()
+    for cp in (c for c in degrees if c > 1):
+        layout = hybrid_layout(real, padded, cp, opts.tokens // cp)
+        rows = sum(padded[i] for i in layout.split)
+        per_layer = (
+            2 * (cp - 1) * rows * 2 * args.n_kv_heads * args.head_dim * elem
+        )  # 2 cp (cp-1) (rows/cp) kv
+        zz = report["bytes"][str(cp)]["per_layer"]["all_gather"]
+        print(
+            f"{cp:>3} {len(layout.split):>10} {rows:>10} {per_layer / 1024:>11.1f} {zz / 1024:>11.1f} "
+            f"{per_layer / zz:>6.2f}x"
+        )
+        hybrid[str(cp)] = {"split_documents": len(layout.split), "split_rows": rows, "per_layer": per_layer}
+    # One microbatch says little about a length distribution: the mean over 200 seeded microbatches.
+    for cp in (c for c in degrees if c > 1):
+        shares = []
+        for seed in range(200):
+            b = microbatch(
+                opts.tokens, args.vocab_size, opts.mean_doc, seed, pad, opts.sigma, min_len, truncate
+            )
+            lens, plens = b.seqlens.tolist(), b.seqlens_padded.tolist()
+            shares.append(
+                sum(plens[i] for i in hybrid_layout(lens, plens, cp, opts.tokens // cp).split) / opts.tokens
+            )
+        hybrid[str(cp)]["mean_ratio_200_microbatches"] = float(np.mean(shares))
+        print(f"cp {cp}: hybrid / zigzag bytes over 200 microbatches: mean {np.mean(shares):.3f}, "
+              f"{np.mean(np.array(shares) == 0):.0%} with no exchange at all")  # fmt: skip
+    report["hybrid_bytes"] = hybrid
+    analytic = {cp: hybrid[str(cp)]["per_layer"] * args.n_layers for cp in degrees if cp > 1}
+    report["hybrid_step"] = time_steps("llama", args, "hybrid", batch, degrees, opts.repeats, analytic)
     return report
 
 

@@ -2,9 +2,15 @@
 """Offline packing: tokenise a dataset and pack its documents into rows of T tokens.
 
 The output folder (rows.parquet + metadata.json, format in titan_thd/data/packed_dataset.py) is
-read with `data.source = "packed"` and `data.path = <folder>`. There, each row is one microbatch
-and `training.global_batch_size` counts rows; `training.tokens_per_microbatch` must equal the T
-used here.
+read with `data.source = "packed"` and `data.path = <folder>`; `training.global_batch_size` counts
+rows. By default the trainer plans the documents of each step's rows again over its DP x CP ranks
+(`data.packed_replan`); with `data.packed_replan = false` each row is one microbatch and
+`training.tokens_per_microbatch` must equal the T used here.
+
+Algorithms: first_fit_decreasing (longest first) and first_fit_shuffle (Megatron-Bridge's default:
+a seeded shuffle, then first fit). The report gives the padding waste (alignment padding inside
+documents, tail padding of rows) and a document length histogram, also written as
+length_histogram.png in the output folder (with matplotlib when installed).
 
 Examples:
     # the embedded chat SFT set, byte tokenizer, rows of 2048 tokens, zigzag CP up to cp = 4
@@ -31,9 +37,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from titan_thd.config import Config, load_config
-from titan_thd.data.packed_dataset import ALGORITHMS, pack_rows, write_packed
+from titan_thd.data.pack_report import format_report, length_histogram, padding_summary, write_histogram_png
+from titan_thd.data.packed_dataset import ALGORITHMS, METADATA_FILE, pack_rows, write_packed
+from titan_thd.data.packer import padded_lengths
 from titan_thd.data.token_store import build_token_store
 from titan_thd.data.tokenizer import build_tokenizer
+
+HISTOGRAM_FILE = "length_histogram.png"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -51,6 +61,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--format", help="data.format: auto, messages, sharegpt, alpaca or text")
     p.add_argument("--tokenizer", help="data.tokenizer: byte or a path to tokenizer.json")
     p.add_argument(
+        "--chat-template", dest="chat_template", help="data.chat_template: auto, simple or deepseek"
+    )
+    p.add_argument(
         "--mock-config",
         type=json.loads,
         help='data.mock_config as JSON, e.g. \'{"mode": "file", "path": "l.csv"}\'',
@@ -67,6 +80,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--seed", type=int, help="seed of the mock data and of first_fit_shuffle (default: the config's)"
     )
+    p.add_argument("--histogram-bins", type=int, default=16, help="bins of the length histogram")
     p.add_argument("--cache-dir", default="", help="token cache folder (empty: keep in memory)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     return p.parse_args(argv)
@@ -81,6 +95,7 @@ def main(argv: list[str] | None = None) -> dict:
         "path",
         "format",
         "tokenizer",
+        "chat_template",
         "mock_config",
         "num_samples",
         "pad_to_multiple",
@@ -96,7 +111,7 @@ def main(argv: list[str] | None = None) -> dict:
         )
 
     start = time.perf_counter()
-    tokenizer = build_tokenizer(data.tokenizer)
+    tokenizer = build_tokenizer(data.tokenizer, data.chat_template)
     store = build_token_store(data, tokenizer, seed, args.cache_dir, progress=not args.no_progress).view(
         T, data.overlong
     )
@@ -124,6 +139,16 @@ def main(argv: list[str] | None = None) -> dict:
         },
         progress=not args.no_progress,
     )
+    lengths = store.lengths
+    summary = padding_summary(lengths, padded_lengths(lengths, data.pad_to_multiple), meta["num_rows"], T)
+    edges, counts = length_histogram(lengths, T, args.histogram_bins)
+    png = Path(args.output) / HISTOGRAM_FILE
+    writer = write_histogram_png(png, edges, counts, f"{meta['num_docs']} documents, T = {T}")
+    meta["padding"] = summary
+    meta["length_histogram"] = {"edges": edges.tolist(), "counts": counts.tolist()}
+    (Path(args.output) / METADATA_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+    print(format_report(summary, edges, counts))
+    print(f"length histogram ({writer}) -> {png}")
     print(
         f"packed {meta['num_docs']} documents into {meta['num_rows']} rows of {T} tokens with {args.algorithm}: "
         f"efficiency {meta['packing_efficiency']:.4f} (real tokens / slots), docs per row mean "

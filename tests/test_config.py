@@ -176,7 +176,7 @@ def test_help_lists_every_field_with_its_doc():
             assert docs[key], f"{key} has no docstring"
             assert f"--{key}" in text
             assert docs[key] in text
-    assert "{auto|zigzag|contiguous}" in text
+    assert "{auto|zigzag|contiguous|hybrid}" in text
 
 
 def test_print_config_round_trip(tmp_path):

@@ -80,6 +80,9 @@ class Data:
     """Record schema: `auto` (detect from the columns), `messages`, `sharegpt`, `alpaca` or `text`."""
     tokenizer: str = "byte"
     """`byte` (built-in byte-level tokenizer) or a path to a Hugging Face `tokenizer.json`."""
+    chat_template: Literal["auto", "simple", "deepseek"] = "auto"
+    """How chat records are rendered: `simple` (the project's markers), `deepseek` (DeepSeek-V4's own
+    format, needs its tokenizer.json) or `auto` (deepseek for a tokenizer with DeepSeek's chat tokens)."""
     mock_config: dict = field(
         default_factory=lambda: {
             "mode": "distribution",
@@ -104,6 +107,9 @@ class Data:
     """Shuffle the sample order every epoch (seeded by training.seed and the epoch)."""
     cache_dir: str = ""
     """Where tokenised datasets are cached (empty = <dump_folder>/data_cache)."""
+    packed_replan: bool = True
+    """data.source = packed: plan the documents of each step's rows again over the DP x CP ranks with
+    training.planner (Megatron's _unpack_batch); false trains each packed row as one microbatch."""
 
 
 @dataclass
@@ -173,8 +179,12 @@ class Parallelism:
     context_parallel_degree: int = 1
     """Ranks that split one microbatch's tokens."""
     context_parallel_mode: CPConfigMode = "auto"
-    """`auto` (the model's mode: llama zigzag, dsv4 contiguous), `zigzag` or `contiguous`; another mode
-    than the model's is refused."""
+    """`auto` (the model's mode: llama zigzag, dsv4 contiguous), `zigzag`, `contiguous` or `hybrid`
+    (zigzag models: short documents whole on one rank, only long ones zigzagged); another mode than
+    the model's is refused."""
+    hybrid_cp_threshold: int = 0
+    """context_parallel_mode = hybrid: documents with a padded length below this stay whole on one CP
+    rank (0 = T / context_parallel_degree, what one rank holds)."""
     tensor_parallel_degree: int = 1
     """Ranks that split attention heads and MLP columns."""
     pipeline_parallel_degree: int = 1
@@ -499,6 +509,7 @@ def validate(cfg: Config) -> None:
         raise ValueError("checkpoint.keep_latest_k: got 1, expected 0 (keep all) or >= 2")
     for key in ("context_parallel_degree", "tensor_parallel_degree", "pipeline_parallel_degree"):
         positive(f"parallelism.{key}", getattr(p, key))
+    positive("parallelism.hybrid_cp_threshold", p.hybrid_cp_threshold, allow_zero=True)
     if p.data_parallel_shard_degree == 0 or p.data_parallel_shard_degree < -1:
         raise ValueError(
             f"parallelism.data_parallel_shard_degree: got {p.data_parallel_shard_degree}, expected -1 or >= 1"

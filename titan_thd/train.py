@@ -117,6 +117,7 @@ class Trainer:
             rank=self.parallel_dims.mesh_rank("cp"),
             group=None if cp_mesh is None else cp_mesh.get_group(),
             mode=resolve_mode(p.context_parallel_mode, cfg.model.name, self.spec.cp_mode),  # checked above
+            hybrid_threshold=p.hybrid_cp_threshold or t.tokens_per_microbatch // self.parallel_dims.cp,
         )
 
         # Offline-packed rows (data.source = packed) are read by the dataloader itself.
@@ -245,7 +246,9 @@ class Trainer:
     def local_inputs(self, microbatch: PackedBatch) -> pipeline.StageInput:
         """This rank's rows of a microbatch and their BatchMeta (every rank builds its own)."""
         local = (
-            partition(microbatch, self.cp.size, self.cp.rank, self.cp.mode) if self.cp.enabled else microbatch
+            partition(microbatch, self.cp.size, self.cp.rank, self.cp.mode, self.cp.hybrid_threshold)
+            if self.cp.enabled
+            else microbatch
         )
         meta = BatchMeta.from_batch(local, cp=self.cp, full=microbatch, device=self.dist.device)
         dev = self.dist.device
@@ -546,7 +549,7 @@ def check_inputs(cfg: Config, world_size: int) -> tuple[ModelSpec, Tokenizer, An
     if cfg.checkpoint.enable:
         folder = Path(job.dump_folder) / cfg.checkpoint.folder
         _check_folder("checkpoint.folder", cfg.checkpoint.folder, folder)
-    tokenizer = build_tokenizer(cfg.data.tokenizer)
+    tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.data.chat_template)
     knobs = [f for f in dataclasses.fields(cfg.model) if f.name not in _NOT_MODEL_ARGS]
     model_overrides = {f.name: getattr(cfg.model, f.name) for f in knobs if hasattr(flavor_args, f.name)}
     # A knob of another model family would otherwise be accepted and silently do nothing.
@@ -631,6 +634,7 @@ def build_loader(
         # Interleaved1F1B runs microbatches in groups of pp (its deadlock-free order for any K keeps
         # more of them in flight when K is not a multiple).
         microbatch_group=dims.pp if cfg.parallelism.pipeline_parallel_schedule == "Interleaved1F1B" else None,
+        tokenizer=tokenizer,
     )
     rows = getattr(loader.steps, "rows", None)
     if rows is not None and (rows.vocab_size, rows.pad_id) != (tokenizer.vocab_size, tokenizer.pad_id):

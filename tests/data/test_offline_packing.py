@@ -133,7 +133,7 @@ def test_first_fit_matches_naive(seed):
 
 
 def packed_loader(path, dp_rank=0, dp_size=2, G=4, T_cfg=T, pad=MULT):
-    cfg = Data(source="packed", path=str(path), pad_to_multiple=pad)
+    cfg = Data(source="packed", path=str(path), pad_to_multiple=pad, packed_replan=False)  # row by row
     return build_dataloader(
         cfg,
         None,

@@ -56,6 +56,12 @@ def parquet(columns: dict[str, list]) -> bytes:
     return buf.getvalue()
 
 
+def npy(array: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, array, allow_pickle=True)
+    return buf.getvalue()
+
+
 def tokenizer_json() -> str:
     """A tiny word-level Hugging Face tokenizer."""
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -274,8 +280,37 @@ CASES = [
                                        "doc_lengths": [[2]]}))}),
     Case("pack with nothing to train", ["--data.source", "packed", "--data.path", "{tmp}/pack"],
          ["{tmp}/pack/rows.parquet", "nothing to train"], {"pack": packed(lengths=(1, 1, 1))}),
-    Case("pack of another T", ["--data.source", "packed", "--data.path", "{tmp}/pack"],
+    Case("pack of another T, row by row",
+         ["--data.source", "packed", "--data.path", "{tmp}/pack", "--data.packed_replan", "false"],
          ["{tmp}/pack", "T = 512", "training.tokens_per_microbatch = 256"], {"pack": packed(T=512)}),
+    # ---- Megatron-Bridge packs (*.idx.parquet, legacy .npy)
+    Case("bridge pack missing a column", ["--data.source", "packed", "--data.path", "{tmp}/b.idx.parquet"],
+         ["{tmp}/b.idx.parquet", "['seq_start_id'] missing"],
+         {"b.idx.parquet": parquet({"input_ids": [[1, 2, 3]], "loss_mask": [[0, 1, 0]]})}),
+    Case("bridge pack bad seq_start_id", ["--data.source", "packed", "--data.path", "{tmp}/b.idx.parquet"],
+         ["{tmp}/b.idx.parquet", "row 0", "seq_start_id [0, 5]", "must start at 0"],
+         {"b.idx.parquet": parquet({"input_ids": [[1, 2, 3]], "loss_mask": [[0, 1, 0]], "seq_start_id": [[0, 5]]})}),
+    Case("bridge pack loss_mask too short", ["--data.source", "packed", "--data.path", "{tmp}/b.idx.parquet"],
+         ["{tmp}/b.idx.parquet", "row 0", "2 loss_mask entries for 3 input_ids"],
+         {"b.idx.parquet": parquet({"input_ids": [[1, 2, 3]], "loss_mask": [[0, 1]], "seq_start_id": [[0]]})}),
+    Case("bridge pack of another tokenizer", ["--data.source", "packed", "--data.path", "{tmp}/b.idx.parquet"],
+         ["{tmp}/b.idx.parquet", "token ids span 1..70000", "vocab_size = 264"],
+         {"b.idx.parquet": parquet({"input_ids": [[1, 70000]], "loss_mask": [[1, 0]], "seq_start_id": [[0]]})}),
+    Case("bridge npy not an object array", ["--data.source", "packed", "--data.path", "{tmp}/b.npy"],
+         ["{tmp}/b.npy", "1-D object array of dicts"], {"b.npy": npy(np.arange(4))}),
+    Case("bridge npy rows not dicts", ["--data.source", "packed", "--data.path", "{tmp}/b.npy"],
+         ["{tmp}/b.npy", "row 0", "expected a dict"], {"b.npy": npy(np.array([[1, 2], None], dtype=object))}),
+    Case("bridge pack row by row",
+         ["--data.source", "packed", "--data.path", "{tmp}/b.idx.parquet", "--data.packed_replan", "false"],
+         ["{tmp}/b.idx.parquet", "data.packed_replan = true"],
+         {"b.idx.parquet": parquet({"input_ids": [[1, 2, 3]], "loss_mask": [[0, 1, 0]], "seq_start_id": [[0]]})}),
+    Case("deepseek chat template with the byte tokenizer", ["--data.chat_template", "deepseek"],
+         ["data.chat_template = deepseek", "DeepSeek tokenizer.json"]),
+    Case("hybrid CP for a contiguous model",
+         ["--model.name", "dsv4", "--model.flavor", "micro", "--parallelism.context_parallel_mode", "hybrid"],
+         ["context_parallel_mode = hybrid", "model dsv4", "computes only contiguous"]),
+    Case("hybrid CP threshold negative", ["--parallelism.hybrid_cp_threshold", "-1"],
+         ["parallelism.hybrid_cp_threshold", "-1", "non-negative"]),
     Case("pack of another tokenizer",
          ["--data.source", "packed", "--data.path", "{tmp}/pack", "--data.tokenizer", "{tmp}/tok.json"],
          ["data.path = '{tmp}/pack'", "vocab_size 264", "data.tokenizer = '{tmp}/tok.json'", "repack"],

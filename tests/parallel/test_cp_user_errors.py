@@ -12,8 +12,8 @@ from titan_thd.train import Trainer
 
 
 def test_modes_are_one_type():
-    assert CP_MODES == ("zigzag", "contiguous")
-    assert CHOICES["parallelism.context_parallel_mode"] == ("auto", "zigzag", "contiguous")
+    assert CP_MODES == ("zigzag", "contiguous", "hybrid")
+    assert CHOICES["parallelism.context_parallel_mode"] == ("auto", "zigzag", "contiguous", "hybrid")
     assert Parallelism().context_parallel_mode == "auto"
 
 

@@ -33,6 +33,8 @@ class CPContext:
     rank: int = 0
     group: dist.ProcessGroup | None = None
     mode: CPMode = "contiguous"
+    hybrid_threshold: int = 0
+    """hybrid mode: documents with a padded length below this stay whole on one rank."""
 
     def __post_init__(self):
         assert self.mode in CP_MODES, self.mode

@@ -28,12 +28,16 @@ Decisions:
 - Roles must be system / user / assistant / tool (`sources.normalise` maps other spellings).
 
 Pre-training text (`encode_text`): `bos + encode(text) + eos`, every token after bos a target.
+
+A DeepSeek tokenizer (`Tokenizer.chat_format == "deepseek"`, data.chat_template) renders
+conversations in DeepSeek's own chat format instead: deepseek_chat.py.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from titan_thd.data import deepseek_chat
 from titan_thd.data.sample import Sample
 from titan_thd.data.tokenizer import BOS, END_OF_TURN, EOS, ROLE_TOKENS, Tokenizer
 
@@ -56,7 +60,10 @@ def encode_turn(tok: Tokenizer, message: dict) -> tuple[list[int], list[bool]]:
 
 
 def encode_conversation(tok: Tokenizer, messages: list[dict]) -> Sample:
-    """bos + every turn + eos; loss on assistant content and its `<|end|>` only."""
+    """bos + every turn + eos; loss on assistant content and its `<|end|>` only. A tokenizer whose
+    `chat_format` is `deepseek` renders DeepSeek's own format instead (deepseek_chat.py)."""
+    if tok.chat_format == "deepseek":
+        return deepseek_chat.encode_conversation(tok, messages)
     ids, mask = [tok.bos_id], [False]
     for message in messages:
         turn_ids, turn_mask = encode_turn(tok, message)
@@ -69,7 +76,9 @@ def encode_conversation(tok: Tokenizer, messages: list[dict]) -> Sample:
 
 def encode_prompt(tok: Tokenizer, messages: list[dict]) -> list[int]:
     """Ids that ask the model for the next assistant turn: bos + turns + `<|assistant|>`.
-    Generation stops at `<|end|>`."""
+    Generation stops at `<|end|>` (DeepSeek's format: at its end of sentence)."""
+    if tok.chat_format == "deepseek":
+        return deepseek_chat.encode_prompt(tok, messages)
     ids = [tok.bos_id]
     for message in messages:
         ids += encode_turn(tok, message)[0]

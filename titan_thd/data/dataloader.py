@@ -13,9 +13,11 @@ samples are read and packed. Its output depends on (dataset, seed, step, layout)
   simply recomputed), while that state names this rank's dp_rank and worker layout, which a
   checkpoint (one copy for all ranks) could not restore on other ranks anyway.
 
-`data.source = "packed"` reads offline-packed rows instead (packed_dataset.py): there
-`training.global_batch_size` counts packed rows, each row is one microbatch, and replica d takes
-rows [d*G/dp, (d+1)*G/dp) of the step's rows.
+`data.source = "packed"` reads offline-packed rows instead (packed_dataset.py; Megatron-Bridge
+packs via bridge_pack.py): there `training.global_batch_size` counts packed rows. By default
+(`data.packed_replan = true`) the documents of the step's rows are planned again over the DP x CP
+ranks like any other documents (`RepackedSteps`); with `false` each row is one microbatch and
+replica d takes rows [d*G/dp, (d+1)*G/dp) of the step's rows (`PackedRowSteps`).
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from titan_thd.data import sampler
+from titan_thd.data.bridge_pack import BRIDGE_FORMAT
 from titan_thd.data.packed_batch import PackedBatch
-from titan_thd.data.packed_dataset import PackedRows, open_packed
+from titan_thd.data.packed_dataset import PackedRows, open_pack
 from titan_thd.data.packer import pack_microbatch, padded_lengths
 from titan_thd.data.planner import make_plan, sample_costs
 
@@ -129,6 +132,11 @@ class PackedRowSteps(_Steps):
         super().__init__(**common)
         self.rows, self.num_samples, self.cost_attention = rows, len(rows), cost_attention
         self.overlong_counts = {k: int(rows.metadata[f"num_{k}"]) for k in ("truncated", "dropped")}
+        if rows.metadata.get("format") == BRIDGE_FORMAT:
+            raise ValueError(
+                f"{rows.path}: a Megatron-Bridge pack cannot be trained row by row here (its sequences carry one "
+                "token more than a row of T holds); set data.packed_replan = true"
+            )
         if rows.T != self.T:
             raise ValueError(
                 f"{rows.path}: rows were packed with T = {rows.T} tokens, but training.tokens_per_microbatch = "
@@ -165,6 +173,85 @@ class PackedRowSteps(_Steps):
             slot_tokens=self.global_batch_size * self.T,
             doc_lengths=all_docs.tolist(),
             imbalance=float(replica.max() / replica.mean()) if replica.mean() > 0 else 1.0,
+        )
+
+
+class RepackedSteps(_Steps):
+    """Offline-packed rows unpacked into their documents and planned again every step (Megatron's
+    `_unpack_batch` before its scheduler): G rows per step, their documents spread over the DP x CP
+    ranks by `training.planner` exactly like the documents of a jsonl source. The pack then fixes
+    which documents train together in a step, not how they are cut into microbatches, so T and
+    data.pad_to_multiple may differ from the pack's. Documents longer than T are truncated or
+    dropped (data.overlong), counted on top of the pack's own counts."""
+
+    def __init__(
+        self,
+        rows: PackedRows,
+        *,
+        pad_to_multiple: int,
+        cp_size: int,
+        planner: str,
+        cost_attention: float,
+        overlong: str,
+        microbatch_group: int | None = None,
+        **common,
+    ):
+        super().__init__(**common)
+        if overlong not in ("truncate", "drop"):
+            raise ValueError(f"data.overlong: got {overlong!r}, expected 'truncate' or 'drop'")
+        self.rows, self.num_samples = rows, len(rows)
+        self.pad_to_multiple, self.cp_size = pad_to_multiple, cp_size
+        self.planner, self.cost_attention, self.microbatch_group = planner, cost_attention, microbatch_group
+        self.overlong = overlong
+        too_long = rows.doc_lengths_all > self.T
+        self.overlong_counts = {k: int(rows.metadata.get(f"num_{k}", 0)) for k in ("truncated", "dropped")}
+        self.overlong_counts["dropped" if overlong == "drop" else "truncated"] += int(too_long.sum())
+        if overlong == "drop" and too_long.all():
+            raise ValueError(
+                f"{rows.path}: every one of its {too_long.size} documents is longer than "
+                f"training.tokens_per_microbatch = {self.T} and data.overlong = drop; raise T or truncate"
+            )
+
+    def __getitem__(self, step: int) -> StepBatch:
+        rows = self.sample_ids(step)
+        docs = self.rows.row_docs(rows)
+        lengths = self.rows.doc_lengths_all[docs]
+        if self.overlong == "drop":
+            keep = lengths <= self.T
+            if not keep.any():
+                raise ValueError(
+                    f"{self.rows.path}: step {step}: all {lengths.size} documents of its {rows.size} rows are longer "
+                    f"than T = {self.T} (data.overlong = drop); raise training.tokens_per_microbatch"
+                )
+            docs, lengths = docs[keep], lengths[keep]
+        lengths = np.minimum(lengths, self.T)
+        plan = make_plan(
+            self.planner,
+            padded_lengths(lengths, self.pad_to_multiple),
+            self.dp_size,
+            self.cp_size,
+            self.T,
+            self.cost_attention,
+            self.microbatch_group,
+        )
+        mine = [
+            pack_microbatch(
+                [self.rows.doc(int(docs[p]), self.T) for p in mb],
+                self.T,
+                self.pad_to_multiple,
+                self.rows.pad_id,
+            )
+            for mb in plan.microbatches[self.dp_rank]
+        ]
+        return StepBatch(
+            step=step,
+            microbatches=mine,
+            num_microbatches=plan.num_microbatches,
+            trained_tokens=int(self.rows.doc_targets(docs, self.T).sum()),
+            real_tokens=int(lengths.sum()),
+            slot_tokens=self.dp_size * plan.num_microbatches * self.T,
+            doc_lengths=lengths.tolist(),
+            imbalance=plan.imbalance,
         )
 
 
@@ -238,10 +325,12 @@ def build_dataloader(
     cost_attention: float,
     start_step: int = 0,
     microbatch_group: int | None = None,
+    tokenizer=None,
 ) -> THDDataLoader:
     """The loader of this DP replica. `store`: a TokenStore (may be None for `data.source = "packed"`,
     whose rows are read from `data.path`). Overlong samples are truncated or dropped first
-    (`data.overlong`; counted in `overlong_counts`)."""
+    (`data.overlong`; counted in `overlong_counts`). `tokenizer` gives the pad id and vocabulary of
+    packs that do not record them (Megatron-Bridge packs)."""
     common = {
         "dp_rank": dp_rank,
         "dp_size": dp_size,
@@ -250,9 +339,22 @@ def build_dataloader(
         "seed": seed,
         "shuffle": data_cfg.shuffle,
     }
-    if data_cfg.source == "packed":
+    if data_cfg.source == "packed" and data_cfg.packed_replan:
+        steps = RepackedSteps(
+            open_pack(data_cfg.path, tokenizer=tokenizer),
+            pad_to_multiple=data_cfg.pad_to_multiple,
+            cp_size=cp_size,
+            planner=planner,
+            cost_attention=cost_attention,
+            overlong=data_cfg.overlong,
+            microbatch_group=microbatch_group,
+            **common,
+        )
+    elif data_cfg.source == "packed":
         steps = PackedRowSteps(
-            open_packed(data_cfg.path, data_cfg.pad_to_multiple), cost_attention=cost_attention, **common
+            open_pack(data_cfg.path, data_cfg.pad_to_multiple, tokenizer=tokenizer),
+            cost_attention=cost_attention,
+            **common,
         )
     else:
         steps = PlannedSteps(

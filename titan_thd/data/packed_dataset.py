@@ -158,21 +158,63 @@ def _flat(column: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
 
 
 class PackedRows:
-    """The rows of one pack, in memory; `samples(i)` are row i's documents."""
+    """The rows of one pack, in memory, as flat arrays: `samples(i)` are row i's documents, `doc(j)`
+    is document j of all rows (rows hold consecutive documents, in order)."""
 
-    def __init__(self, folder: Path, metadata: dict, table: pa.Table):
+    def __init__(
+        self,
+        folder: Path,
+        metadata: dict,
+        ids: np.ndarray,
+        mask: np.ndarray,
+        tok_off: np.ndarray,
+        doc_len: np.ndarray,
+        doc_off: np.ndarray,
+        mask_off: np.ndarray | None = None,
+    ):
         self.path, self.metadata = folder, metadata
         self.T = int(metadata["tokens_per_microbatch"])
         self.pad_to_multiple = int(metadata["pad_to_multiple"])
         self.pad_id, self.vocab_size = int(metadata["pad_id"]), int(metadata["vocab_size"])
-        self._ids, self._tok_off = _flat(table.column("input_ids"))
-        self._mask, self._mask_off = _flat(table.column("target_mask"))
-        self._doc_len, self._doc_off = _flat(table.column("doc_lengths"))
-        self._doc_len = self._doc_len.astype(np.int64)
-        self._mask = self._mask.astype(bool)
+        self._ids, self._tok_off, self._mask = ids, tok_off, mask.astype(bool)
+        self._mask_off = tok_off if mask_off is None else mask_off
+        self._doc_len, self._doc_off = doc_len.astype(np.int64), doc_off
+        self._doc_start = np.cumsum(self._doc_len) - self._doc_len
         cum = np.concatenate([[0], np.cumsum(self._mask, dtype=np.int64)])
         self.num_targets = cum[self._tok_off[1:]] - cum[self._tok_off[:-1]]
         """[rows] int64 trained targets per row."""
+        self._target_cum = cum
+
+    @classmethod
+    def from_table(cls, folder: Path, metadata: dict, table: pa.Table) -> PackedRows:
+        ids, tok_off = _flat(table.column("input_ids"))
+        mask, mask_off = _flat(table.column("target_mask"))
+        doc_len, doc_off = _flat(table.column("doc_lengths"))
+        return cls(folder, metadata, ids, mask, tok_off, doc_len, doc_off, mask_off)
+
+    @property
+    def doc_lengths_all(self) -> np.ndarray:
+        """[documents] int64 length of every document, rows in order."""
+        return self._doc_len
+
+    def row_docs(self, rows: np.ndarray) -> np.ndarray:
+        """Document indices (into `doc_lengths_all`) of `rows`, row after row."""
+        rows = np.asarray(rows, dtype=np.int64)
+        counts = self._doc_off[rows + 1] - self._doc_off[rows]
+        first = np.repeat(self._doc_off[rows] - np.cumsum(counts) + counts, counts)
+        return (first + np.arange(int(counts.sum()))).astype(np.int64)
+
+    def doc_targets(self, docs: np.ndarray, max_len: int | None = None) -> np.ndarray:
+        """Trained targets of documents `docs` (among their first `max_len` tokens)."""
+        start = self._doc_start[docs]
+        length = self._doc_len[docs] if max_len is None else np.minimum(self._doc_len[docs], max_len)
+        return self._target_cum[start + length] - self._target_cum[start]
+
+    def doc(self, j: int, max_len: int | None = None) -> Sample:
+        """Document j (its first `max_len` tokens)."""
+        a = int(self._doc_start[j])
+        b = a + int(self._doc_len[j] if max_len is None else min(self._doc_len[j], max_len))
+        return Sample(self._ids[a:b].astype(np.int32), self._mask[a:b].copy())
 
     def __len__(self) -> int:
         return self._tok_off.size - 1
@@ -215,6 +257,17 @@ class PackedRows:
         return out
 
 
+def open_pack(path: str | Path, pad_to_multiple: int = 1, tokenizer=None) -> PackedRows:
+    """A pack of either kind: a folder written by scripts/prepare_packed_data.py (`open_packed`) or a
+    Megatron-Bridge `*.idx.parquet` / `.npy` file (bridge_pack.py, which needs `tokenizer`)."""
+    from titan_thd.data.bridge_pack import is_bridge_pack, open_bridge_pack
+
+    resolved = resolve_data_path(path)
+    if is_bridge_pack(resolved):
+        return open_bridge_pack(resolved, tokenizer)
+    return open_packed(resolved, pad_to_multiple)
+
+
 def open_packed(path: str | Path, pad_to_multiple: int = 1) -> PackedRows:
     """Read a pack folder (or its rows.parquet); `pad_to_multiple` is `data.pad_to_multiple`, which the
     pack's own padding must be a multiple of (zigzag CP relies on it)."""
@@ -250,7 +303,7 @@ def open_packed(path: str | Path, pad_to_multiple: int = 1) -> PackedRows:
             raise ValueError(
                 f"{rows_path}: column {c!r} has type {typ}, expected a list of integers / booleans"
             )
-    rows = PackedRows(folder, metadata, table)
+    rows = PackedRows.from_table(folder, metadata, table)
     rows.check(rows_path)
     return rows
 

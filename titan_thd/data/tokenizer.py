@@ -20,6 +20,10 @@ pad `<|pad|>`, and the five chat markers `<|system|>`, `<|user|>`, `<|assistant|
 `<|end|>` unless the vocabulary has them -- is added as special tokens after the existing ids
 (`HFTokenizer.added_tokens` lists them). Note that `tokenizers` matches added special tokens
 inside text, so for HF tokenizers a literal "<|user|>" in the data becomes the marker.
+
+Chat format (`chat_format`, from `data.chat_template`): a tokenizer.json with DeepSeek's chat tokens
+renders conversations in DeepSeek's own format (deepseek_chat.py); every other tokenizer, the
+byte one included, uses the simple template of chat_template.py.
 """
 
 from __future__ import annotations
@@ -55,7 +59,10 @@ class Tokenizer:
     eos_id: int
     pad_id: int
     identity: str
-    """Stable string that changes whenever the id mapping changes (keys the token cache)."""
+    """Stable string that changes whenever the id mapping or the chat format changes (keys the token cache)."""
+    chat_format: str = "simple"
+    """How chat_template.py renders conversations: `simple` (its own markers) or `deepseek`
+    (deepseek_chat.py)."""
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`, no special tokens added."""
@@ -67,6 +74,14 @@ class Tokenizer:
     def special_id(self, name: str) -> int:
         """Id of a special token by its text, e.g. "<|user|>", "<|end|>"."""
         raise NotImplementedError
+
+    def has_token(self, name: str) -> bool:
+        """Whether `name` is one token of the vocabulary."""
+        try:
+            self.special_id(name)
+        except ValueError:
+            return False
+        return True
 
     @property
     def special_ids(self) -> list[int]:
@@ -116,7 +131,7 @@ class ByteTokenizer(Tokenizer):
 class HFTokenizer(Tokenizer):
     """A Hugging Face `tokenizer.json` loaded with the `tokenizers` library."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, chat_template: str = "auto") -> None:
         from tokenizers import AddedToken
         from tokenizers import Tokenizer as _HFTok
 
@@ -135,6 +150,7 @@ class HFTokenizer(Tokenizer):
             ) from e
         configured = _configured_specials(path.parent / "tokenizer_config.json")
         vocab = self._tok.get_vocab(with_added_tokens=True)
+        self.chat_format = _chat_format(chat_template, vocab, configured.get("chat_template"), path)
 
         def pick(kind: str, names: tuple[str, ...]) -> str:
             if configured.get(kind) in vocab:
@@ -159,7 +175,7 @@ class HFTokenizer(Tokenizer):
             vocab[self.pad_token],
         )
         digest = hashlib.sha256(self._tok.to_str().encode("utf-8")).hexdigest()[:16]
-        self.identity = f"hf-{digest}"
+        self.identity = f"hf-{digest}" + ("-deepseek-chat" if self.chat_format == "deepseek" else "")
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
@@ -173,8 +189,24 @@ class HFTokenizer(Tokenizer):
         return self._vocab[name]
 
 
+def _chat_format(setting: str, vocab: dict[str, int], template: str | None, path: Path) -> str:
+    """`data.chat_template` resolved for a tokenizer.json: `auto` picks DeepSeek's format when the
+    vocabulary holds its chat tokens and the tokenizer_config.json chat template (if any) uses them."""
+    from titan_thd.data.deepseek_chat import REQUIRED_TOKENS, USER
+
+    missing = [t for t in REQUIRED_TOKENS if t not in vocab]
+    if setting == "deepseek" and missing:
+        raise ValueError(
+            f"data.chat_template = deepseek: {path} lacks DeepSeek's chat tokens {missing}; use auto or simple"
+        )
+    if setting == "auto":
+        return "deepseek" if not missing and (template is None or USER in template) else "simple"
+    return setting
+
+
 def _configured_specials(config_path: Path) -> dict[str, str]:
-    """bos / eos / pad token strings from a tokenizer_config.json, when there is one."""
+    """bos / eos / pad token strings (and the chat_template text) from a tokenizer_config.json, when
+    there is one."""
     if not config_path.is_file():
         return {}
     try:
@@ -192,12 +224,29 @@ def _configured_specials(config_path: Path) -> dict[str, str]:
             value = value.get("content")
         if isinstance(value, str) and value:
             out[kind] = value
+    template = cfg.get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
+        template = " ".join(str(t.get("template", "")) for t in template if isinstance(t, dict))
+    if isinstance(template, str):
+        out["chat_template"] = template
     return out
 
 
-def build_tokenizer(spec: str) -> Tokenizer:
+CHAT_TEMPLATES = ("auto", "simple", "deepseek")
+
+
+def build_tokenizer(spec: str, chat_template: str = "auto") -> Tokenizer:
     """`"byte"` for the built-in byte tokenizer, else a path to a Hugging Face tokenizer.json
-    (or to the folder that holds it)."""
+    (or to the folder that holds it). `chat_template` is `data.chat_template`."""
+    if chat_template not in CHAT_TEMPLATES:
+        raise ValueError(
+            f"data.chat_template: got {chat_template!r}, expected one of {', '.join(CHAT_TEMPLATES)}"
+        )
     if spec == "byte":
+        if chat_template == "deepseek":
+            raise ValueError(
+                "data.chat_template = deepseek needs a DeepSeek tokenizer.json (data.tokenizer = byte has no "
+                "DeepSeek chat tokens); use auto or simple"
+            )
         return ByteTokenizer()
-    return HFTokenizer(spec)
+    return HFTokenizer(spec, chat_template)

@@ -26,6 +26,7 @@ from torch import nn
 
 from titan_thd.data.batch_meta import BatchMeta
 from titan_thd.ops.cp_attention import zigzag_attention
+from titan_thd.ops.hybrid_cp_attention import hybrid_attention
 
 
 class _Segment(NamedTuple):
@@ -56,10 +57,12 @@ def varlen_attention(
     """Block-diagonal causal attention of the documents in `meta`; returns out_THD (zeros on padding).
 
     Under context parallelism (`meta.cp.size > 1`) the rows are this rank's zigzag share and the
-    work goes to `zigzag_attention`.
+    work goes to `zigzag_attention` (hybrid mode: `hybrid_attention`).
 
     K < H is grouped-query attention: query head h reads key/value head h // (H // K).
     """
+    if meta.cp.enabled and meta.cp.mode == "hybrid":  # zigzag chunks of long documents, short ones whole
+        return hybrid_attention(q_THD, k_TKD, v_TKD, meta, scale)
     if meta.cp.enabled:  # this rank holds zigzag chunks: its queries need other ranks' keys
         return zigzag_attention(q_THD, k_TKD, v_TKD, meta, scale)
     T, H, D = q_THD.shape

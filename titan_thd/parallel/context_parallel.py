@@ -22,11 +22,13 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
-CPMode = Literal["zigzag", "contiguous"]
+CPMode = Literal["zigzag", "contiguous", "hybrid"]
 """zigzag: rank r takes chunks r and 2cp-1-r of every document (balances causal attention);
-contiguous: rank r takes rows [r*T/cp, (r+1)*T/cp) (a contiguous left context from one neighbour)."""
+contiguous: rank r takes rows [r*T/cp, (r+1)*T/cp) (a contiguous left context from one neighbour);
+hybrid: documents shorter than a threshold stay whole on one rank, only longer ones are zigzagged
+(Megatron's hybrid / dynamic context parallelism; a model that computes zigzag computes it too)."""
 CP_MODES: tuple[CPMode, ...] = get_args(CPMode)
-CPConfigMode = Literal["auto", "zigzag", "contiguous"]
+CPConfigMode = Literal["auto", "zigzag", "contiguous", "hybrid"]
 """Values of parallelism.context_parallel_mode: a CPMode, or "auto" = the model's declared mode."""
 CONFIG_CHOICES: tuple[str, ...] = get_args(CPConfigMode)
 assert CONFIG_CHOICES == ("auto", *CP_MODES)
@@ -42,10 +44,12 @@ def resolve_mode(configured_mode: str, model: str, model_mode: CPMode) -> CPMode
         raise ValueError(
             f"parallelism.context_parallel_mode: got {configured_mode!r}, expected one of {', '.join(CONFIG_CHOICES)}"
         )
+    if configured_mode == "hybrid" and model_mode == "zigzag":
+        return "hybrid"  # zigzag for the long documents, whole short ones: exact wherever zigzag is
     if configured_mode != "auto" and configured_mode != model_mode:
         raise ValueError(
             f"parallelism.context_parallel_mode = {configured_mode}: model {model} computes only {model_mode} "
-            f"exactly; use {model_mode} or auto (the default)"
+            f"exactly{' (and hybrid)' if model_mode == 'zigzag' else ''}; use {model_mode} or auto (the default)"
         )
     return model_mode if configured_mode == "auto" else configured_mode  # type: ignore[return-value]
 
@@ -67,7 +71,7 @@ def check_layout(
     """
     if cp == 1:
         return
-    need = 2 * cp if mode == "zigzag" else cp
+    need = cp if mode == "contiguous" else 2 * cp
     if T % need:
         raise ValueError(
             f"{where} = {T} is not divisible by {need} ({mode} CP with degree {cp}); the smallest valid "
@@ -104,9 +108,10 @@ def validate_context_parallel(
         where="training.tokens_per_microbatch",
         model=f"model {model}",
     )
-    if degree > 1 and mode == "zigzag" and pad_to_multiple % (2 * degree):
+    if degree > 1 and mode != "contiguous" and pad_to_multiple % (2 * degree):
         raise ValueError(
-            f"zigzag CP with degree {degree} cuts every document into {2 * degree} chunks: "
+            f"{mode} CP with degree {degree} cuts every document{' it splits' if mode == 'hybrid' else ''} into "
+            f"{2 * degree} chunks: "
             f"data.pad_to_multiple = {pad_to_multiple} must be a multiple of {2 * degree}"
         )
     return mode
