@@ -32,8 +32,9 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from titan_thd.data import sampler
 from titan_thd.data.bridge_pack import BRIDGE_FORMAT
 from titan_thd.data.packed_batch import PackedBatch
-from titan_thd.data.packed_dataset import PackedRows, open_pack
+from titan_thd.data.packed_dataset import PackedRows
 from titan_thd.data.packer import pack_microbatch, padded_lengths
+from titan_thd.data.packs import open_pack
 from titan_thd.data.planner import make_plan, sample_costs
 
 

@@ -257,17 +257,6 @@ class PackedRows:
         return out
 
 
-def open_pack(path: str | Path, pad_to_multiple: int = 1, tokenizer=None) -> PackedRows:
-    """A pack of either kind: a folder written by scripts/prepare_packed_data.py (`open_packed`) or a
-    Megatron-Bridge `*.idx.parquet` / `.npy` file (bridge_pack.py, which needs `tokenizer`)."""
-    from titan_thd.data.bridge_pack import is_bridge_pack, open_bridge_pack
-
-    resolved = resolve_data_path(path)
-    if is_bridge_pack(resolved):
-        return open_bridge_pack(resolved, tokenizer)
-    return open_packed(resolved, pad_to_multiple)
-
-
 def open_packed(path: str | Path, pad_to_multiple: int = 1) -> PackedRows:
     """Read a pack folder (or its rows.parquet); `pad_to_multiple` is `data.pad_to_multiple`, which the
     pack's own padding must be a multiple of (zigzag CP relies on it)."""

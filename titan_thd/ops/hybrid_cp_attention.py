@@ -18,6 +18,7 @@ import torch
 
 from titan_thd.data.batch_meta import BatchMeta, CPContext
 from titan_thd.data.cp_partition import hybrid_indices, hybrid_layout, zigzag_indices
+from titan_thd.ops.block_causal import block_causal_attention
 from titan_thd.ops.cp_attention import zigzag_attention
 
 
@@ -84,8 +85,6 @@ def hybrid_attention(
 
     Every rank of `meta.cp.group` must call it (it all-gathers the long documents' K and V).
     """
-    from titan_thd.ops.varlen_attention import varlen_attention  # it dispatches here: import late
-
     assert q_tHD.shape[0] * meta.cp.size == meta.total_tokens, (q_tHD.shape, meta.cp.size, meta.total_tokens)
     plan = meta.cached("hybrid_attention_plan", lambda: hybrid_plan(meta))
     n = plan.split_rows
@@ -93,5 +92,5 @@ def hybrid_attention(
     if plan.split_meta is not None:
         outs.append(zigzag_attention(q_tHD[:n], k_tKD[:n], v_tKD[:n], plan.split_meta, scale))
     if plan.whole_meta is not None:
-        outs.append(varlen_attention(q_tHD[n:], k_tKD[n:], v_tKD[n:], plan.whole_meta, scale))
+        outs.append(block_causal_attention(q_tHD[n:], k_tKD[n:], v_tKD[n:], plan.whole_meta, scale))
     return torch.cat(outs)
