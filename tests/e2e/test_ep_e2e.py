@@ -1,14 +1,23 @@
-"""Expert parallelism end to end (dsv4 recipe, micro flavor, 4 gloo processes in one launch) against
-one process, 5 steps, AdamW and Muon:
+"""Expert parallelism end to end (dsv4 recipe, micro flavor; every layout on 4 gloo processes in one
+launch) against one process, 5 steps:
 
-- EP2 (dp 4: ep groups of 2, experts FSDP-sharded over efsdp 2) and EP2 x CP2 (dp 2 x cp 2, the
-  ep group is one replica's two CP ranks): losses (CE, MTP, indexer) and grad norms rel <= 1e-12
-  in float64 (Muon's Newton-Schulz then runs in float64 too). In float64 another summation order
-  perturbs by ~1e-16 and no top-k choice flips (tests/e2e/test_cp_e2e.py explains why float32
-  runs with routing are compared elsewhere, in test_float32_ep_bound below).
-- DCP resume across ep degrees: ep2 (steps 1-2) -> ep1 (step 3) -> ep4 (steps 4-5) trains on the
-  same tokens and logs the same losses as the straight one-process run.
-- float32: EP2 x CP2 vs one process with routing that cannot flip (see the test).
+- EP2 x CP2 (dp 2 x cp 2, the ep group is one replica's two CP ranks, experts FSDP-sharded over
+  efsdp 2), AdamW and Muon: losses (CE, MTP, indexer) and grad norms rel <= 1e-12 in float64
+  (Muon's Newton-Schulz then runs in float64 too). In float64 another summation order perturbs
+  by ~1e-16 and no top-k choice flips (tests/e2e/test_cp_e2e.py explains why a float32 run with
+  routing cannot be bounded).
+- DCP resume across ep degrees, Muon: EP2 (dp 4, efsdp 2) steps 1-2 -> ep1 step 3 -> ep4 (efsdp 1)
+  steps 4-5, one checkpoint folder: the same tokens and, rel <= 1e-12, the same numbers as the
+  straight one-process run.
+- float32, EP2 x CP2 vs one process, AdamW, rel <= 1e-5, on a flavor without discrete choices
+  (every token to every expert, no CSA indexer, `register_float32_flavor`): the layouts then run
+  the same arithmetic up to summation order (FSDP reduce-scatter, the loss sums over ranks, the
+  CP halo split; EP itself only moves rows). Each such sum of n terms is off by at most
+  ~n·u·(sum of |terms|) with u = 2^-24 = 6e-8, in practice ~sqrt(n)·u: ~1e-6 relative for the
+  n <= 2048 tokens of a step. AdamW's step lr·m/(sqrt(v)+eps) is a ratio of those sums and does
+  not amplify a relative perturbation (|d(g/(|g|+eps))/dg|·|g| <= 1/4), so after 5 steps of
+  lr <= 3e-3 the weights differ by <= 5·lr·1e-6 relative and the losses by ~1e-6: the 1e-5 bound
+  holds with a margin of ~10.
 """
 
 import dataclasses
@@ -25,6 +34,7 @@ from titan_thd.models.dsv4.args import flavors
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 5
 REL = 1e-12
+F32_REL = 1e-5  # derived in the module docstring
 KEYS = ("loss", "aux/mtp", "aux/indexer", "grad_norm")
 FLOAT32_FLAVOR = "micro_ep_f32"
 
@@ -50,15 +60,16 @@ ADAMW = ("--optimizer.name", "adamw")
 EP2 = ("--parallelism.expert_parallel_degree", "2")
 CP2 = ("--parallelism.context_parallel_degree", "2")
 F32 = ("--training.dtype", "float32", "--model.flavor", FLOAT32_FLAVOR, "--optimizer.name", "adamw")
-RUNS = {  # name -> (extra arguments, world size)
-    "ep2_adamw": ((*ADAMW, *EP2, "--checkpoint.enable", "true", "--checkpoint.interval", "2"), 4),
-    "ep2cp2_adamw": ((*ADAMW, *EP2, *CP2), 4),
-    "ep2_muon": (EP2, 4),
-    "ep2cp2_muon": ((*EP2, *CP2), 4),
-    # ep2 (steps 1-2, saved by ep2_adamw) -> ep1 (step 3) -> ep4 (steps 4, 5), one checkpoint folder
-    "resume_ep1": ((*ADAMW, "--training.steps", "3"), 4),
-    "resume_ep4": ((*ADAMW, "--parallelism.expert_parallel_degree", "4"), 4),
-    "ep2cp2_f32": ((*F32, *EP2, *CP2), 4),
+SAVE = ("--checkpoint.enable", "true", "--checkpoint.interval", "1000")  # the final step only
+RUNS = {  # name -> extra arguments; all on 4 processes, in this order
+    "ep2cp2_adamw": (*ADAMW, *EP2, *CP2),
+    "ep2cp2_muon": (*EP2, *CP2),
+    # Muon (momentum state per expert to reshard), one checkpoint folder: ep2 (dp 4) steps 1-2,
+    # then ep1 step 3, then ep4 steps 4-5; together the EP2 run of the issue's list (steps 1-2).
+    "ep2_muon": (*EP2, *SAVE, "--training.steps", "2"),
+    "resume_ep1": (*SAVE, "--training.steps", "3"),
+    "resume_ep4": (*SAVE, "--parallelism.expert_parallel_degree", "4"),
+    "ep2cp2_f32": (*F32, *EP2, *CP2),
 }
 REFERENCES = {"one_adamw": ADAMW, "one_muon": (), "one_f32": F32}
 
@@ -75,19 +86,9 @@ def register_float32_flavor() -> None:
 
 
 def _cfg(dumps: dict[str, Path], name: str):
-    extra = RUNS[name][0] if name in RUNS else REFERENCES[name]
-    if name.startswith("resume"):
-        step = "2" if name == "resume_ep1" else "3"
-        folder = str(dumps["ep2_adamw"] / "checkpoint")
-        extra = (
-            *extra,
-            "--checkpoint.enable",
-            "true",
-            "--checkpoint.folder",
-            folder,
-            "--checkpoint.load_step",
-            step,
-        )
+    extra = RUNS[name] if name in RUNS else REFERENCES[name]
+    if name.startswith("resume"):  # the checkpoint folder of the ep2 run, its newest step
+        extra = (*extra, "--checkpoint.folder", str(dumps["ep2_muon"] / "checkpoint"))
     return load_config(args(dumps[name], *extra))
 
 
@@ -144,14 +145,12 @@ def test_expert_parallel_layouts_match_one_process(tmp_path, monkeypatch, reques
 
     all_steps = list(range(1, STEPS + 1))
     report = {
-        "ep2_adamw": compare("ep2_adamw", "one_adamw", all_steps, REL),
         "ep2cp2_adamw": compare("ep2cp2_adamw", "one_adamw", all_steps, REL),
-        "ep2_muon": compare("ep2_muon", "one_muon", all_steps, REL),
         "ep2cp2_muon": compare("ep2cp2_muon", "one_muon", all_steps, REL),
-        "resume_ep1": compare("resume_ep1", "one_adamw", [3], REL),
-        "resume_ep4": compare("resume_ep4", "one_adamw", [4, 5], REL),
-        # float32, routing fixed: see float32_bound's derivation
-        "ep2cp2_f32": compare("ep2cp2_f32", "one_f32", all_steps, 1e-5),
+        "ep2_muon": compare("ep2_muon", "one_muon", [1, 2], REL),
+        "resume_ep1": compare("resume_ep1", "one_muon", [3], REL),
+        "resume_ep4": compare("resume_ep4", "one_muon", [4, 5], REL),
+        "ep2cp2_f32": compare("ep2cp2_f32", "one_f32", all_steps, F32_REL),
     }
-    assert got["ep2_adamw"][-1]["loss"] < got["ep2_adamw"][0]["loss"]
+    assert got["ep2cp2_muon"][-1]["loss"] < got["ep2cp2_muon"][0]["loss"]
     print("max rel diff vs one process: " + ", ".join(f"{k} {v:.1e}" for k, v in report.items()))

@@ -48,6 +48,31 @@ def test_grouped_experts_match_the_loop(counts):
                 torch.testing.assert_close(gb, ga, rtol=1e-12, atol=1e-12)
 
 
+def test_grouped_experts_float32_kernel_matches_the_loop():
+    """float32 takes `F.grouped_mm` (float64 the padded batched matmul above). Both sides are
+    float32 and differ only in summation order: each of the 3 chained products sums <= 128
+    terms, so an entry is off by <= 128·u·(sum of |terms|) with u = 2^-24 (7.6e-6 relative in
+    the worst case, ~sqrt(128)·u = 7e-7 typically); normwise 1e-5 bounds it."""
+    counts = [4, 0, 9, 2]
+    experts = [e.float() for e in _experts(4)]
+    x = torch.randn(sum(counts), D).requires_grad_(True)
+    x2 = x.detach().clone().requires_grad_(True)
+    ref = looped_experts(x, counts, experts)
+    got = grouped_experts(x2, counts, experts, ARGS.swiglu_limit)
+    assert ((got - ref).norm() / ref.norm()).item() < 1e-5
+    grad = torch.randn_like(ref)
+    ref.backward(grad)
+    used = [e for e, n in enumerate(counts) if n]
+    ref_w = {e: experts[e].w2.weight.grad.clone() for e in used}
+    for e in experts:
+        e.zero_grad()
+    got.backward(grad)
+    assert ((x2.grad - x.grad).norm() / x.grad.norm()).item() < 1e-5
+    for e in used:
+        w = ref_w[e]
+        assert ((experts[e].w2.weight.grad - w).norm() / w.norm()).item() < 1e-5
+
+
 def test_grouped_experts_bfloat16_close_to_float64():
     """bf16 weights take the same path (16-byte strides: widths are multiples of 8)."""
     counts = [2, 6, 0, 3]
