@@ -139,8 +139,9 @@ def test_expert_parallel_layouts_match_one_process(tmp_path, monkeypatch, reques
             # The same documents each step (token stream), then the same numbers.
             assert (b["tokens_real"], b["tokens_trained"]) == (a["tokens_real"], a["tokens_trained"]), name
             for key in KEYS:
-                assert b[key] == pytest.approx(a[key], rel=rel), (name, b["step"], key, a[key], b[key])
-                worst = max(worst, abs(b[key] - a[key]) / abs(a[key]))
+                assert b[key] == pytest.approx(a[key], rel=rel, abs=0), (name, b["step"], key, a[key], b[key])
+                if a[key]:  # the float32 flavor has no CSA layer: its indexer loss is 0 in both
+                    worst = max(worst, abs(b[key] - a[key]) / abs(a[key]))
         return worst
 
     all_steps = list(range(1, STEPS + 1))
