@@ -205,6 +205,10 @@ class Parallelism:
     e.g. `0-2|3,4|5` (empty = `pipeline_parallel_layers_per_stage`). Every layer exactly once,
     in order. The embedding sits on the first stage, the final norm and head on the last."""
     # ---- end of pipeline parallelism fields
+    expert_parallel_degree: int = 1
+    """Ranks that split the routed experts of every MoE layer (each holds n_experts / ep of them;
+    tokens travel to their experts by all-to-all). Must divide dp x cp and the model's n_experts;
+    the experts are FSDP-sharded over the dp x cp / ep ranks left (docs/design.md §5.1)."""
 
 
 @dataclass
@@ -507,7 +511,12 @@ def validate(cfg: Config) -> None:
         raise ValueError(f"lr_scheduler.min_lr_factor: got {cfg.lr_scheduler.min_lr_factor}, expected 0..1")
     if cfg.checkpoint.keep_latest_k == 1:
         raise ValueError("checkpoint.keep_latest_k: got 1, expected 0 (keep all) or >= 2")
-    for key in ("context_parallel_degree", "tensor_parallel_degree", "pipeline_parallel_degree"):
+    for key in (
+        "context_parallel_degree",
+        "tensor_parallel_degree",
+        "pipeline_parallel_degree",
+        "expert_parallel_degree",
+    ):
         positive(f"parallelism.{key}", getattr(p, key))
     positive("parallelism.hybrid_cp_threshold", p.hybrid_cp_threshold, allow_zero=True)
     if p.data_parallel_shard_degree == 0 or p.data_parallel_shard_degree < -1:

@@ -169,6 +169,7 @@ class Trainer:
             tied_names = pipeline.tied_first_last(cfg.model.name, model)
             model = pipeline.split_model(cfg.model.name, model, pp_layers, pp_rank, pp)
             chunks = pipeline.chunk_views(cfg.model.name, model, pp_layers, pp_rank, pp)
+        self.param_count = count_params(model)  # before expert parallelism drops the others' experts
         if self.spec.parallelize is not None:  # each chunk is sharded as a model of its own
             chunks = [self.spec.parallelize(chunk, self.parallel_dims, p) for chunk in chunks]
             model = chunks[0] if len(chunks) == 1 else model
@@ -269,14 +270,19 @@ class Trainer:
                 ce_sum += ce
                 for k, v in aux.items():
                     aux_sums[k] = aux_sums.get(k, 0) + v.double()
+        ep_mesh = self.parallel_dims.get_optional_mesh("ep")  # experts: each counted on its own rank
+        ep_group = None if ep_mesh is None else ep_mesh.get_group()
         if self.pipeline is None:
-            grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm)
+            grad_norm = clip_grad_norm_(
+                self.model.parameters(), self.cfg.training.max_norm, ep_group=ep_group
+            )
         else:  # over every stage; the tied copies count once
             grad_norm = clip_grad_norm_(
                 self.pipeline.norm_params(),
                 self.cfg.training.max_norm,
                 pp_group=self.pipeline.group,
                 also_scale=[q for q in self.pipeline.tied if not self.pipeline.is_first],
+                ep_group=ep_group,
             )
         # The other data/context-parallel ranks hold the rest of the step's token sums.
         loss_mesh = self.parallel_dims.get_optional_mesh("loss")
@@ -366,18 +372,35 @@ class Trainer:
     # ------------------------------------------------------------------ helpers
     def _fake_step_fits(self) -> bool:
         """A fake-PG step gathers each FSDP unit in full (the fake all-gather copies the local shard
-        into every slot); skip the step, with the numbers, when that cannot fit in this machine."""
-        need = 3 * largest_unsharded_unit_bytes(self.model)  # the unit's params, grads, workspace
+        into every slot); skip the step, with the numbers, when that cannot fit in this machine or
+        would take more than 5 minutes."""
+        unit = largest_unsharded_unit_bytes(self.model)
+        logger.info("dry run: largest unsharded FSDP unit %.2f GiB (one all-gather)", unit / 2**30)
+        need = 3 * unit  # the unit's params, grads, workspace
         free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        if need <= free:
-            return True
-        logger.warning(
-            "dry run: meshes, sharding and optimizer built; the step is skipped because one FSDP unit "
-            "needs about %.1f GiB unsharded and this machine has %.1f GiB free",
-            need / 2**30,
-            free / 2**30,
-        )
-        return False
+        if need > free:
+            logger.warning(
+                "dry run: meshes, sharding and optimizer built; the step is skipped because one FSDP unit "
+                "needs about %.1f GiB unsharded and this machine has %.1f GiB free",
+                need / 2**30,
+                free / 2**30,
+            )
+            return False
+        # With expert parallelism even `flash` fits; its step would then compute for an hour on a CPU.
+        tokens = self.cfg.training.tokens_per_microbatch // self.parallel_dims.cp
+        flops = self.spec.flops_per_step(self.model_args, [tokens]) / self.parallel_dims.pp
+        seconds = flops / (self.peak_tflops * 1e12) if self.peak_tflops > 0 else 0.0
+        if seconds > 300:
+            logger.warning(
+                "dry run: meshes, sharding and optimizer built; the step is skipped because one "
+                "microbatch of %d tokens per rank is %.1e FLOPs, about %.0f min at this machine's %.3f TFLOP/s",
+                tokens,
+                flops,
+                seconds / 60,
+                self.peak_tflops,
+            )
+            return False
+        return True
 
     def _log_header(self) -> None:
         if not self.dist.is_main:
@@ -388,7 +411,7 @@ class Trainer:
             "model %s/%s: %s parameters, vocab %d (tokenizer %d), dtype %s",
             c.model.name,
             c.model.flavor,
-            f"{count_params(self.model):,}",
+            f"{self.param_count:,}",
             self.model_args.vocab_size,
             self.tokenizer.vocab_size,
             c.training.dtype,
@@ -424,7 +447,7 @@ class Trainer:
             f"(optimizer.muon_ns_dtype = {c.optimizer.muon_ns_dtype})",
         )
         logger.info(
-            "world %d on %s%s: dp %d, cp %d (%s), tp %d, pp %d",
+            "world %d on %s%s: dp %d, cp %d (%s), tp %d, pp %d%s",
             d.world_size,
             self.dist.device,
             " (fake process group)" if self.dist.fake else "",
@@ -433,6 +456,7 @@ class Trainer:
             self.cp.mode,
             d.tp,
             d.pp,
+            f", ep {d.ep} (experts sharded over efsdp {d.efsdp_degree})" if d.ep_enabled else "",
         )
         counts = self.dataloader.overlong_counts
         logger.info(
@@ -584,14 +608,32 @@ def check_inputs(cfg: Config, world_size: int) -> tuple[ModelSpec, Tokenizer, An
         raise ValueError(
             f"parallelism (data_parallel_shard_degree {p.data_parallel_shard_degree}, context_parallel_degree "
             f"{p.context_parallel_degree}, tensor_parallel_degree {p.tensor_parallel_degree}, "
-            f"pipeline_parallel_degree {p.pipeline_parallel_degree}) does not fit {world_size} processes: {e}"
+            f"pipeline_parallel_degree {p.pipeline_parallel_degree}, expert_parallel_degree "
+            f"{p.expert_parallel_degree}) does not fit {world_size} processes: {e}"
         ) from None
     dims.check_implemented()
+    check_expert_parallel(p.expert_parallel_degree, model_args, f"{cfg.model.name} {cfg.model.flavor}")
     pipeline_stage_layers(cfg, model_args)
     check_path(cfg)
     if cfg.validation.enable and cfg.validation.compare_padded and spec.padded_forward is None:
         raise ValueError(f"validation.compare_padded = true: model {cfg.model.name} has no padded forward")
     return spec, tokenizer, model_args, dims
+
+
+def check_expert_parallel(ep: int, model_args: Any, model: str) -> None:
+    """ep must split the model's routed experts evenly (dp x cp is ParallelDims' check)."""
+    if ep == 1:
+        return
+    n_experts = getattr(model_args, "n_experts", None)
+    if n_experts is None:
+        raise ValueError(
+            f"parallelism.expert_parallel_degree = {ep}: model {model} has no routed experts; use 1"
+        )
+    if n_experts % ep:
+        raise ValueError(
+            f"parallelism.expert_parallel_degree = {ep} does not divide model {model}'s n_experts = "
+            f"{n_experts} (every rank holds n_experts / ep experts)"
+        )
 
 
 def pipeline_stage_layers(cfg: Config, model_args: Any) -> list[list[int]] | None:

@@ -33,8 +33,12 @@ def apply_fsdp(
     blocks: Iterable[nn.Module],
     mp_param_dtype: torch.dtype | None = None,
     reshard_after_forward: bool = True,
+    other_units: Iterable[tuple[nn.Module, DeviceMesh]] = (),
 ) -> nn.Module:
     """Shard `blocks` (each its own all-gather unit) and then the root over `fsdp_mesh`.
+
+    `other_units` are sharded first, each over its own mesh (expert-parallel routed experts over
+    `efsdp`), so that their blocks leave them out.
 
     `mp_param_dtype` (e.g. bfloat16) is the dtype parameters are gathered in for compute; the
     sharded master weights and the gradient reduction stay in float32.
@@ -44,6 +48,8 @@ def apply_fsdp(
         mp_policy = MixedPrecisionPolicy()
     else:
         mp_policy = MixedPrecisionPolicy(param_dtype=mp_param_dtype, reduce_dtype=torch.float32)
+    for unit, mesh in other_units:
+        fully_shard(unit, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
     for block in blocks:
         fully_shard(block, mesh=fsdp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=fsdp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
@@ -152,7 +158,8 @@ def estimate_memory_per_rank(
     shards = parallel_dims.fsdp_degree if parallel_dims.fsdp_enabled else 1
     params = states = 0
     for name, p in model.named_parameters():
-        n = local_numel(p.shape, shards)
+        # A sharded parameter's own mesh (expert-parallel experts: efsdp, not fsdp).
+        n = local_numel(p.shape, p.device_mesh.size() if isinstance(p, DTensor) else shards)
         params += n
         states += n * (1 if optimizer == "muon" and name in muon_params else 2)
     return MemoryEstimate(params, params * itemsize, params * itemsize, states * itemsize)

@@ -11,6 +11,13 @@ position; it asks for a *named* mesh, and every name has exactly one purpose:
 | `cp`    | cp      | context parallelism: ranks that split one microbatch's tokens           |
 | `tp`    | tp      | tensor parallelism (not implemented yet)                                |
 | `pp`    | pp      | pipeline stages: ranks with the same (dp, cp, tp) coordinate, one per stage |
+| `ep`    | ep      | expert parallelism: consecutive dp x cp ranks that split the routed experts |
+| `efsdp` | dp x cp / ep | FSDP of the routed experts: the ranks holding the same experts (one per ep group) |
+
+`ep` and `efsdp` split the dp x cp ranks (flattened, cp fastest) into a (efsdp, ep) grid: ep
+groups are runs of `ep` consecutive dp x cp ranks, efsdp groups take one rank of each run. Routed
+experts are sharded over `efsdp` only (each expert lives on one rank of every ep group); every
+other parameter over `fsdp`. Both exist only when ep > 1.
 
 `loss` and `fsdp` span the same ranks and share one process group; they keep separate names
 because they answer different questions (and would differ with replicated data parallelism).
@@ -48,6 +55,8 @@ MESH_SPANS: dict[str, tuple[str, ...]] = {
     "cp": ("cp",),
     "tp": ("tp",),
     "pp": ("pp",),
+    "ep": ("dp", "cp"),
+    "efsdp": ("dp", "cp"),
 }
 """Named mesh -> the world-mesh axes it spans (see the table in the module docstring)."""
 
@@ -60,6 +69,8 @@ class ParallelDims:
     cp: int
     tp: int
     world_size: int
+    ep: int = 1
+    """Expert-parallel degree: carved out of dp x cp (consecutive ranks), no extra processes."""
     _meshes: dict[str, DeviceMesh] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -86,6 +97,13 @@ class ParallelDims:
                 f"× tp {self.tp}) but the world has {self.world_size} processes; set "
                 f"parallelism.data_parallel_shard_degree = -1 to give data parallelism the rest"
             )
+        if self.ep < 1:
+            raise ValueError(f"parallel degree ep = {self.ep}: expected >= 1")
+        if (self.dp * self.cp) % self.ep:
+            raise ValueError(
+                f"parallelism.expert_parallel_degree = {self.ep} does not divide dp {self.dp} × cp {self.cp} "
+                f"= {self.dp * self.cp} (the experts are split over data- and context-parallel ranks)"
+            )
 
     @classmethod
     def from_config(cls, cfg: Parallelism, world_size: int) -> ParallelDims:
@@ -95,6 +113,7 @@ class ParallelDims:
             cp=cfg.context_parallel_degree,
             tp=cfg.tensor_parallel_degree,
             world_size=world_size,
+            ep=cfg.expert_parallel_degree,
         )
 
     def check_implemented(self) -> None:
@@ -103,6 +122,11 @@ class ParallelDims:
             raise ValueError(
                 f"parallelism.tensor_parallel_degree = {self.tp}: tensor parallelism is not implemented yet "
                 "(use 1)"
+            )
+        if self.ep > 1 and self.tp > 1:
+            raise ValueError(
+                f"parallelism.expert_parallel_degree = {self.ep} with tensor_parallel_degree = {self.tp}: "
+                "expert parallelism with tensor parallelism is not implemented (set one of them to 1)"
             )
 
     # ------------------------------------------------------------------ degrees
@@ -135,12 +159,23 @@ class ParallelDims:
         return self.fsdp_degree > 1
 
     @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    @property
+    def efsdp_degree(self) -> int:
+        """Ranks that FSDP-shard one set of routed experts (dp × cp / ep)."""
+        return self.dp * self.cp // self.ep
+
+    @property
     def loss_degree(self) -> int:
         """Ranks whose token counts and loss sums add up to the global ones (dp × cp)."""
         return self.dp * self.cp
 
     def mesh_size(self, name: str) -> int:
         """Degree of a named mesh, known before (and without) building meshes."""
+        if name in ("ep", "efsdp"):
+            return self.ep if name == "ep" else self.efsdp_degree
         degrees = {"pp": self.pp, "dp": self.dp, "cp": self.cp, "tp": self.tp}
         return math.prod(degrees[axis] for axis in _spans(name))
 
@@ -157,9 +192,15 @@ class ParallelDims:
         world = init_device_mesh(device_type, (self.pp, self.dp, self.cp, self.tp), mesh_dim_names=MESH_AXES)
         dp_cp = world["dp", "cp"]._flatten("dp_cp")
         self._meshes = {
-            name: dp_cp if axes == ("dp", "cp") else world[axes[0]] for name, axes in MESH_SPANS.items()
+            name: dp_cp if axes == ("dp", "cp") else world[axes[0]]
+            for name, axes in MESH_SPANS.items()
+            if name not in ("ep", "efsdp")
         }
-        for name in MESH_SPANS:
+        if self.ep > 1:
+            # efsdp outer, ep inner: an ep group is a run of consecutive dp x cp ranks.
+            grid = dp_cp._unflatten(0, (self.efsdp_degree, self.ep), ("efsdp", "ep"))
+            self._meshes |= {"ep": grid["ep"], "efsdp": grid["efsdp"]}
+        for name in self._meshes:
             assert self._meshes[name].size() == self.mesh_size(name), (name, self._meshes[name], self)
 
     def get_mesh(self, name: str) -> DeviceMesh:

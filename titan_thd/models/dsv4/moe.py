@@ -8,6 +8,15 @@ hash layers take the experts from a frozen token-id table. The gate weights are 
 normalised to sum 1, times `route_scale`. Experts and the one shared expert are SwiGLU with clamps
 (gate <= limit, |up| <= limit). Expert weights are per-expert 2-D matrices (Muon orthogonalises
 each expert separately), named like the reference checkpoint (`experts.<e>.w1`).
+
+Routed experts run as one grouped matrix product per projection (`grouped_experts`): the rows are
+sorted by expert and each projection's weights are stacked to [E, out, in] for `F.grouped_mm`. Why the
+weights stay per-expert 2-D parameters rather than stacked ones: checkpoint and HF names, DCP
+resharding across expert-parallel degrees (a key is one expert, owned by one ep rank) and Muon's
+per-matrix Newton-Schulz all stay as they are; the price is one copy of the local experts'
+weights per projection and forward (memory-bound, small next to the matmuls). With expert
+parallelism (`experts` holds only this rank's E / ep experts, keyed by global id) the rows travel
+to their experts' ranks and back by all-to-all (parallel/expert_parallel.py).
 """
 
 from __future__ import annotations
@@ -35,6 +44,65 @@ class Expert(nn.Module):
         if self.limit > 0:
             gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
         return self.w2(F.silu(gate) * up)
+
+
+def grouped_mm(h_NI: torch.Tensor, w_EIO: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """Rows of `h_NI` grouped by expert (counts[e] rows each) times their expert's [in, out] matrix.
+
+    `F.grouped_mm` takes float32 / bfloat16 / float16 only; float64 (the parity runs) goes through
+    one batched matmul over the groups padded to the largest: the same per-row dot products.
+    """
+    if h_NI.dtype in (torch.float32, torch.bfloat16, torch.float16):
+        offs = torch.tensor(counts, device=h_NI.device).cumsum(0).to(torch.int32)
+        return F.grouped_mm(h_NI, w_EIO, offs=offs)
+    width = max(counts)
+    sizes = torch.tensor(counts, device=h_NI.device)
+    group = torch.repeat_interleave(torch.arange(len(counts), device=h_NI.device), sizes)
+    starts = torch.cumsum(sizes, 0) - sizes
+    slot = group * width + torch.arange(h_NI.shape[0], device=h_NI.device) - starts[group]
+    padded = h_NI.new_zeros(len(counts) * width, h_NI.shape[1]).index_copy(0, slot, h_NI)
+    out = torch.bmm(padded.view(len(counts), width, -1), w_EIO)
+    return out.view(len(counts) * width, -1)[slot]
+
+
+def grouped_experts(
+    x_ND: torch.Tensor, counts: list[int], experts: list[Expert], limit: float
+) -> torch.Tensor:
+    """Clamped SwiGLU of rows sorted by expert: rows [sum(counts[:i]), sum(counts[:i+1])) go
+    through experts[i]; one grouped matrix product per projection instead of one per expert."""
+    assert len(counts) == len(experts) and sum(counts) == x_ND.shape[0], (counts, x_ND.shape)
+    if x_ND.shape[0] == 0:  # nothing routed here: an empty result still in the graph (collectives)
+        return x_ND * 0
+
+    def project(h: torch.Tensor, name: str) -> torch.Tensor:
+        # [E, out, in] -> [E, in, out] view: row r of group e gets h_r @ W_e^T. The stacked copy
+        # is contiguous, so its strides are 16-byte multiples whenever the widths are multiples
+        # of 8 (bfloat16's requirement for F.grouped_mm; every flavor's widths are).
+        w = torch.stack([getattr(e, name).weight for e in experts]).transpose(-2, -1)
+        return grouped_mm(h, w, counts)
+
+    gate, up = project(x_ND, "w1"), project(x_ND, "w3")
+    if limit > 0:
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return project(F.silu(gate) * up, "w2")
+
+
+def looped_experts(x_ND: torch.Tensor, counts: list[int], experts: list[Expert]) -> torch.Tensor:
+    """Reference of `grouped_experts` (the test oracle): one expert call per group of rows."""
+    outs, begin = [x_ND.new_zeros(0, x_ND.shape[1])], 0
+    for expert, n in zip(experts, counts):
+        if n:
+            outs.append(expert(x_ND[begin : begin + n]))
+        begin += n
+    return torch.cat(outs)
+
+
+class Experts(nn.ModuleDict):
+    """The routed experts this rank holds, keyed by global id (`experts.<e>.w1`): a module of its
+    own so that FSDP can gather them as one unit when they are sharded apart from their block."""
+
+    def forward(self, x_ND: torch.Tensor, counts: list[int], limit: float) -> torch.Tensor:
+        return grouped_experts(x_ND, counts, list(self.values()), limit)
 
 
 class Gate(nn.Module):
@@ -92,11 +160,15 @@ class Gate(nn.Module):
 class MoE(nn.Module):
     def __init__(self, args: DSv4Args, hash_routed: bool):
         super().__init__()
+        self.n_experts, self.limit = args.n_experts, args.swiglu_limit
         self.gate = Gate(args, hash_routed)
-        self.experts = nn.ModuleList(
-            Expert(args.dim, args.moe_inter_dim, args.swiglu_limit) for _ in range(args.n_experts)
+        # Keyed by global expert id; under expert parallelism only this rank's ids remain.
+        self.experts = Experts(
+            {str(e): Expert(args.dim, args.moe_inter_dim, args.swiglu_limit) for e in range(args.n_experts)}
         )
         self.shared_experts = Expert(args.dim, args.moe_inter_dim, args.swiglu_limit)
+        self.ep_group: dist.ProcessGroup | None = None
+        """Expert-parallel group (set by parallel.expert_parallel.apply_ep); None = all experts local."""
 
     def forward(self, x_TD: torch.Tensor, tokens_T: torch.Tensor, real_T: torch.Tensor) -> torch.Tensor:
         experts_Tk, weights_Tk = self.gate(x_TD, tokens_T, real_T)
@@ -104,13 +176,16 @@ class MoE(nn.Module):
         flat = experts_Tk.flatten()
         order = torch.argsort(flat, stable=True)
         rows = order // k
-        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        counts_E = torch.bincount(flat, minlength=self.n_experts)
         x_sorted = x_TD[rows]
-        outs, begin = [], 0
-        for expert, n in zip(self.experts, counts):
-            if n:
-                outs.append(expert(x_sorted[begin : begin + n]))
-            begin += n
-        routed = torch.cat(outs) * weights_Tk.flatten()[order, None].to(x_TD.dtype)
+        if self.ep_group is None:
+            routed = self.experts(x_sorted, counts_E.tolist(), self.limit)
+        else:
+            from titan_thd.parallel.expert_parallel import dispatch_combine
+
+            routed = dispatch_combine(
+                x_sorted, counts_E, self.ep_group, lambda x, c: self.experts(x, c, self.limit)
+            )
+        routed = routed * weights_Tk.flatten()[order, None].to(x_TD.dtype)
         y_TD = torch.zeros_like(x_TD).index_add_(0, rows, routed)
         return y_TD + self.shared_experts(x_TD)

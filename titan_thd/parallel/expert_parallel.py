@@ -1,0 +1,85 @@
+"""Expert parallelism for the DSv4 MoE: tokens to their experts' ranks and back (docs/design.md §5.1).
+
+Legend:  E routed experts   ep ranks in the group   L = E / ep experts per rank (rank r holds the
+global ids r L .. r L + L - 1)   N routed rows (tokens x k) of this rank
+
+`apply_ep` keeps only a rank's own experts in every MoE (the full model is built from the seed on
+every rank, so the kept experts hold the values one process would). `dispatch_combine` runs one
+layer's routed experts over the group:
+
+1. the per-expert row counts [E] go through an all-to-all under no_grad: rank r learns how many
+   rows each peer sends to each of its L experts ([ep, L]); the split sizes are their row sums;
+2. the rows (sorted by global expert id, hence by destination rank) go through an autograd-aware
+   `all_to_all_single`; the received rows are peer-major, and a stable sort groups them by local
+   expert for one grouped matmul per projection;
+3. the outputs are put back in peer-major order and return by the inverse all-to-all; the caller
+   weights them and `index_add`s them into its tokens.
+
+Every rank takes part in both all-to-alls (forward and backward) whatever it routes: a rank that
+sends no row, or an expert that gets none, is a zero-size chunk or group, never a skipped call.
+Router load counts stay with the gate, which sees this rank's own tokens only: summed over the
+`loss` mesh (dp x cp, every rank that routed a token) they count each token once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+
+def local_expert_ids(n_experts: int, ep: int, ep_rank: int) -> range:
+    """Global ids of the experts rank `ep_rank` holds (a contiguous block of E / ep)."""
+    assert n_experts % ep == 0, (n_experts, ep)
+    per_rank = n_experts // ep
+    return range(ep_rank * per_rank, (ep_rank + 1) * per_rank)
+
+
+def apply_ep(moes: list[nn.Module], group: dist.ProcessGroup) -> None:
+    """Keep this rank's experts in every MoE and route through `group`."""
+    ep, rank = dist.get_world_size(group), dist.get_rank(group)
+    for moe in moes:
+        keep = {str(e) for e in local_expert_ids(moe.n_experts, ep, rank)}
+        for name in [n for n in moe.experts if n not in keep]:
+            del moe.experts[name]
+        moe.ep_group = group
+
+
+def _is_fake(group: dist.ProcessGroup) -> bool:
+    return dist.get_backend(group) == "fake"
+
+
+def dispatch_combine(
+    x_ND: torch.Tensor,
+    counts_E: torch.Tensor,
+    group: dist.ProcessGroup,
+    experts: Callable[[torch.Tensor, list[int]], torch.Tensor],
+) -> torch.Tensor:
+    """Rows `x_ND` sorted by global expert (counts_E[e] rows for expert e) -> their experts' outputs,
+    in the same order. `experts(rows, counts)` runs this rank's L experts on rows grouped by them."""
+    ep = dist.get_world_size(group)
+    n_experts = counts_E.numel()
+    assert n_experts % ep == 0 and int(counts_E.sum()) == x_ND.shape[0], (counts_E, x_ND.shape, ep)
+    per_rank = n_experts // ep
+    with torch.no_grad():
+        if _is_fake(group):  # a dry run's collectives return garbage: pretend every peer routes alike
+            recv_PL = counts_E.view(ep, per_rank).clone()
+        else:
+            recv_PL = torch.empty_like(counts_E)
+            dist.all_to_all_single(recv_PL, counts_E, group=group)
+            recv_PL = recv_PL.view(ep, per_rank)
+    # The split sizes must be host integers (one device-to-host sync per layer on a GPU).
+    send_splits = counts_E.view(ep, per_rank).sum(1).tolist()
+    recv_splits = recv_PL.sum(1).tolist()
+    x_recv = all_to_all_single_autograd(x_ND, recv_splits, send_splits, group)
+    # Received rows: peer-major, then local-expert-major. Group them by local expert (stable, so
+    # each expert sees its rows peer by peer, as one process would see them by token order).
+    local_ids = torch.arange(per_rank, device=x_ND.device).repeat(ep)
+    expert_of_row = torch.repeat_interleave(local_ids, recv_PL.flatten())
+    order = torch.argsort(expert_of_row, stable=True)
+    y = experts(x_recv[order], recv_PL.sum(0).tolist())
+    y_back = y[torch.argsort(order)]
+    return all_to_all_single_autograd(y_back, send_splits, recv_splits, group)
