@@ -253,7 +253,7 @@ def test_main_help_print_config_and_user_errors(capsys, tmp_path):
     assert "steps = 7" in again and 'path = "chat_sft.jsonl.gz"' in again
     assert main(["--job.config_file", config, "--data.overlong", "cut"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: data.overlong: got 'cut', expected one of truncate, drop")
+    assert err.startswith("error: command line: data.overlong: got 'cut', expected one of truncate, drop")
     assert (
         main(
             [
