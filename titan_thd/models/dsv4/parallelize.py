@@ -1,28 +1,134 @@
-"""Parallelise a DSv4 model: FSDP per block (tensor and context parallelism come with their issues)."""
+"""Parallelise a DSv4 model: tensor parallel -> context parallel -> FSDP, in that fixed order.
+
+Tensor parallelism (docs/design.md §5.1): the mHC streams [T, N, d] are sequence-parallel between
+sub-layers (this rank's T/cp/tp rows; mHC and the norms run on them), attention and the MoE are
+partial-sum regions over all T/cp rows (titan_thd/parallel/tensor_parallel.py), the embedding and
+the LM head are vocabulary-parallel.
+"""
 
 from __future__ import annotations
 
 from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    parallelize_module,
+)
 
 from titan_thd.config import Parallelism
+from titan_thd.models.dsv4.attention import Attention
 from titan_thd.models.dsv4.model import DSv4Model
 from titan_thd.parallel.parallel_dims import ParallelDims
+from titan_thd.parallel.tensor_parallel import (
+    GatherRows,
+    ReplicatedFullGrad,
+    ReplicatedPartialGrad,
+    ShardedLocal,
+    collect_replicated_grads,
+)
 
 
 def parallelize_dsv4(
     model: DSv4Model, parallel_dims: ParallelDims, parallelism_cfg: Parallelism
 ) -> DSv4Model:
-    if parallel_dims.tp > 1:
-        raise NotImplementedError(
-            f"parallelism.tensor_parallel_degree = {parallel_dims.tp}: tensor parallelism for dsv4 is not "
-            "implemented; use 1"
-        )
-    # Context parallelism needs no wrapping: the attention reads BatchMeta.cp (contiguous mode only).
+    """Apply the parallelisms of `parallel_dims` (the degrees in `parallelism_cfg` are already in it)."""
+    apply_tp(model, parallel_dims)
+    apply_cp(model, parallel_dims)
+    apply_fsdp(model, parallel_dims)
+    return model
+
+
+def tp_divides(args) -> dict[str, int]:
+    """Model sizes that parallelism.tensor_parallel_degree must divide: heads and output groups
+    split by whole groups (a group's heads stay on one rank), expert hidden columns, the vocabulary."""
+    return {
+        "n_heads": args.n_heads,
+        "o_groups": args.o_groups,
+        "moe_inter_dim": args.moe_inter_dim,
+        "vocab_size": args.vocab_size,
+    }
+
+
+def _block_plan(prefix: str, block: nn.Module) -> dict[str, ParallelStyle]:
+    attn, ffn = block.attn, block.ffn
+    plan: dict[str, ParallelStyle] = {
+        # Sequence-parallel rows: mHC and the norms see this rank's rows only.
+        f"{prefix}.hc_attn": ReplicatedPartialGrad(),
+        f"{prefix}.attn_norm": ReplicatedPartialGrad(),
+        f"{prefix}.hc_ffn": ReplicatedPartialGrad(),
+        f"{prefix}.ffn_norm": ReplicatedPartialGrad(),
+        # Attention on all rows; query heads, sinks and output groups split by whole groups.
+        f"{prefix}.attn": GatherRows(shard={"attn_sink": 0}),
+        f"{prefix}.attn.wq_a": ReplicatedPartialGrad(),
+        f"{prefix}.attn.q_norm": ReplicatedPartialGrad(),
+        f"{prefix}.attn.wq_b": ShardedLocal(0),
+        f"{prefix}.attn.wkv": ReplicatedPartialGrad(),  # the one shared K=V head
+        f"{prefix}.attn.kv_norm": ReplicatedPartialGrad(),
+        f"{prefix}.attn.wo_a": ShardedLocal(0),  # [G * o_lora, H * D / G]: whole groups
+        f"{prefix}.attn.wo_b": ShardedLocal(1),
+        # MoE on all rows; the router is replicated, every expert split on its hidden columns.
+        f"{prefix}.ffn": GatherRows(),
+        f"{prefix}.ffn.gate": ReplicatedPartialGrad(),
+        f"{prefix}.ffn.shared_experts.w1": ShardedLocal(0),
+        f"{prefix}.ffn.shared_experts.w3": ShardedLocal(0),
+        f"{prefix}.ffn.shared_experts.w2": ShardedLocal(1),
+    }
+    if attn.compressor is not None:
+        plan[f"{prefix}.attn.compressor"] = ReplicatedPartialGrad()
+    if attn.indexer is not None:  # detached inputs, taught by an all-reduced teacher
+        plan[f"{prefix}.attn.indexer"] = ReplicatedFullGrad()
+    for e in range(len(ffn.experts)):
+        plan |= {
+            f"{prefix}.ffn.experts.{e}.w1": ShardedLocal(0),
+            f"{prefix}.ffn.experts.{e}.w3": ShardedLocal(0),
+            f"{prefix}.ffn.experts.{e}.w2": ShardedLocal(1),
+        }
+    return plan
+
+
+def tp_plan(model: DSv4Model) -> dict[str, ParallelStyle]:
+    """{fqn: style} of tensor + sequence parallelism (styles: parallel/tensor_parallel.py)."""
+    plan: dict[str, ParallelStyle] = {
+        "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0)),
+        "hc_head": ReplicatedPartialGrad(),
+        "norm": ReplicatedPartialGrad(),
+        "head": ColwiseParallel(input_layouts=Shard(0), output_layouts=Shard(-1), use_local_output=False),
+    }
+    for name, block in model.layers.items():
+        plan |= _block_plan(f"layers.{name}", block)
+    for j, block in enumerate(model.mtp):
+        plan |= _block_plan(f"mtp.{j}", block)
+        # The MTP input mixing and head run on the sequence-parallel rows too.
+        plan |= {f"mtp.{j}.{m}": ReplicatedPartialGrad() for m in ("enorm", "hnorm", "e_proj", "h_proj")}
+        plan |= {f"mtp.{j}.{m}": ReplicatedPartialGrad() for m in ("hc_head", "norm")}
+    return plan
+
+
+def apply_tp(model: DSv4Model, parallel_dims: ParallelDims) -> None:
+    """`tp_plan` over the tp mesh (degrees were checked by validate_tensor_parallel at start-up)."""
+    tp_mesh = parallel_dims.get_optional_mesh("tp")
+    if tp_mesh is None:
+        return
+    parallelize_module(model, tp_mesh, tp_plan(model))
+    for module in model.modules():
+        if isinstance(module, Attention):  # the indexer-KL teacher sums its head mass over tp
+            module.tp_group = tp_mesh.get_group()
+    collect_replicated_grads(model, tp_mesh.get_group())
+
+
+def apply_cp(model: DSv4Model, parallel_dims: ParallelDims) -> None:
+    """Nothing to wrap: the attention reads BatchMeta.cp (contiguous mode only); under TP every
+    tp rank exchanges its halo and entries with the CP neighbours of its own tp coordinate."""
+
+
+def apply_fsdp(model: DSv4Model, parallel_dims: ParallelDims) -> None:
+    """FSDP per block (MTP blocks included), then the root, over the fsdp mesh (dp x cp)."""
     fsdp_mesh = parallel_dims.get_optional_mesh("fsdp")
     if fsdp_mesh is None:
-        return model
+        return
     from titan_thd.parallel import fsdp  # lazily: pulls in FSDP2 only for multi-process runs
 
     blocks: list[nn.Module] = list(model.layers.values()) + list(model.mtp or ())
     fsdp.apply_fsdp(model, fsdp_mesh, blocks, reshard_after_forward=not parallel_dims.pp_enabled)
-    return model

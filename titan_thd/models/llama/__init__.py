@@ -2,7 +2,7 @@
 
 from titan_thd.models.llama.args import LlamaArgs, flavors, flops_per_step
 from titan_thd.models.llama.model import Llama, build_llama
-from titan_thd.models.llama.parallelize import parallelize_llama
+from titan_thd.models.llama.parallelize import parallelize_llama, tp_divides
 from titan_thd.models.spec import ModelSpec
 
 spec = ModelSpec(
@@ -13,6 +13,7 @@ spec = ModelSpec(
     # Only the zigzag split balances causal attention (titan_thd.ops.cp_attention).
     cp_mode="zigzag",
     parallelize=parallelize_llama,
+    tp_divides=tp_divides,
 )
 
 __all__ = ["Llama", "LlamaArgs", "build_llama", "flavors", "flops_per_step", "parallelize_llama", "spec"]
