@@ -13,10 +13,9 @@ layout against the same config on one process:
   function of O(10) such layers and Muon's update is normalised (its relative error is that of its
   input), so after 5 steps the loss moves by ~1e-6, and 1e-5 leaves a factor ~10 of headroom
   while a wrong orthogonalisation (a TP shard instead of the whole matrix) moves it by ~1e-2.
-  Routing is discrete: a perturbation can flip one token's expert or indexer choice (see
-  tests/e2e/test_cp_e2e.py, 1.7e-5 under CP); dsv4 therefore runs with 4 experts and 4 of at most
-  4 indexer entries... where flips cannot happen only for the indexer, and the bound is checked on
-  the measured runs (worst values printed);
+  Routing is discrete: a perturbation can flip one token's expert or indexer choice, which no
+  arithmetic bound covers (tests/e2e/test_cp_e2e.py saw 1.7e-5 under DP2 x CP2); in these runs no
+  choice flips and the worst values (printed) are ~6e-7 (AVX2 EPYC), a flip would fail the test;
 - DCP resume across TP degrees: a one-process checkpoint of step 3 continues on TP2, a TP2
   checkpoint of step 3 continues on one process; steps 4-5 equal the straight run (float64);
 - zero cross-document leakage under TP2 x CP2: the gradient of one document's logits reaches

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from titan_thd.parallel.parallel_dims import ParallelDims
 
@@ -131,6 +131,18 @@ def local_numel(shape: torch.Size | tuple[int, ...], shards: int, shard_rank: in
     return local_rows * math.prod(shape[1:])
 
 
+def _tp_local_shape(p: torch.Tensor) -> tuple[int, ...]:
+    """Global shape with the tensor-parallel dimension cut to tp rank 0's share (ceil)."""
+    shape = list(p.shape)
+    names = (p.device_mesh.mesh_dim_names or ()) if isinstance(p, DTensor) else ()
+    if "tp" in names:
+        i = names.index("tp")
+        placement = p.placements[i]
+        if isinstance(placement, Shard):
+            shape[placement.dim] = math.ceil(shape[placement.dim] / p.device_mesh.size(i))
+    return tuple(shape)
+
+
 def estimate_memory_per_rank(
     model: nn.Module,
     parallel_dims: ParallelDims,
@@ -143,8 +155,8 @@ def estimate_memory_per_rank(
     Works on a full, a sharded (DTensor shapes are global) or a meta model. Parameters and
     gradients are stored in `dtype`; AdamW keeps two states per parameter, Muon one for the
     parameters named in `muon_params` (AdamW for the rest). Under pipeline parallelism pass
-    one stage's module; tensor parallelism is not modelled (not implemented yet); activations are
-    excluded.
+    one stage's module; a tensor-parallel shard counts its share of the tp-split dimension;
+    activations are excluded.
     """
     if optimizer not in ("adamw", "muon"):
         raise ValueError(f"estimate_memory_per_rank: optimizer {optimizer!r}, expected adamw or muon")
@@ -152,7 +164,7 @@ def estimate_memory_per_rank(
     shards = parallel_dims.fsdp_degree if parallel_dims.fsdp_enabled else 1
     params = states = 0
     for name, p in model.named_parameters():
-        n = local_numel(p.shape, shards)
+        n = local_numel(_tp_local_shape(p), shards)
         params += n
         states += n * (1 if optimizer == "muon" and name in muon_params else 2)
     return MemoryEstimate(params, params * itemsize, params * itemsize, states * itemsize)
