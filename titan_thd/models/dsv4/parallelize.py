@@ -111,6 +111,9 @@ def apply_tp(model: DSv4Model, parallel_dims: ParallelDims) -> None:
     tp_mesh = parallel_dims.get_optional_mesh("tp")
     if tp_mesh is None:
         return
+    bad = {k: v for k, v in tp_divides(model.args).items() if v % parallel_dims.tp}
+    if bad:  # the trainer refuses these at start-up; direct callers get the same rule here
+        raise ValueError(f"tensor parallel degree {parallel_dims.tp} does not divide dsv4 {bad}")
     parallelize_module(model, tp_mesh, tp_plan(model))
     for module in model.modules():
         if isinstance(module, Attention):  # the indexer-KL teacher sums its head mass over tp
