@@ -87,14 +87,15 @@ def materialize_sharded(model: nn.Module, device: str | torch.device = "cpu", st
 
 def largest_unsharded_unit_bytes(model: nn.Module) -> int:
     """Bytes of the largest FSDP unit's full (unsharded) parameters: what one all-gather of a
-    forward or backward materialises on a rank, whatever the world size."""
+    forward or backward materialises on a rank, whatever the fsdp degree (its tp share under TP)."""
     units = [m for m in model.modules() if isinstance(m, FSDPModule)] or [model]
     nested = {u: [v for v in u.modules() if v is not u and isinstance(v, FSDPModule)] for u in units}
     largest = 0
     for unit in units:
         inner = {id(p) for v in nested[unit] for p in v.parameters()}
         own = [p for p in unit.parameters() if id(p) not in inner]
-        largest = max(largest, sum(p.numel() * p.element_size() for p in own))  # DTensor: global numel
+        # A DTensor's global shape, less its tensor-parallel split (an FSDP all-gather stops at tp).
+        largest = max(largest, sum(math.prod(_tp_local_shape(p)) * p.element_size() for p in own))
     return largest
 
 
