@@ -68,7 +68,7 @@ def args(dump: Path, model: str, variant: str, steps: int = STEPS, *extra: str) 
         *TRAIN_ARGS,
         *MODELS[model],
         *VARIANTS[variant][0],
-        "--training.global_batch_size", "4",
+        "--training.global_batch_size", "2",
         "--training.tokens_per_microbatch", "256",
         "--data.pad_to_multiple", "4",
         "--data.cache_dir", str(dump.parent.parent / "data_cache"),
