@@ -81,7 +81,17 @@ def test_attention_cost_weight_reads_the_flops_formula(trainer):
 @pytest.mark.parametrize(
     "world, overrides, message",
     [
-        ("2", ["--parallelism.tensor_parallel_degree", "2"], r"tensor parallelism is not implemented yet"),
+        (
+            "4",
+            ["--parallelism.tensor_parallel_degree", "4"],
+            r"tensor_parallel_degree = 4 does not divide model llama debug n_kv_heads = 2; the nearest "
+            r"valid degrees are 2 \(valid: 1, 2\)",
+        ),
+        (
+            "4",
+            ["--parallelism.tensor_parallel_degree", "2", "--parallelism.pipeline_parallel_degree", "2"],
+            r"tensor and pipeline parallelism together are not implemented yet",
+        ),
         (
             "4",
             [

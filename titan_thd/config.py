@@ -208,7 +208,7 @@ class Parallelism:
     expert_parallel_degree: int = 1
     """Ranks that split the routed experts of every MoE layer (each holds n_experts / ep of them;
     tokens travel to their experts by all-to-all). Must divide dp x cp and the model's n_experts;
-    the experts are FSDP-sharded over the dp x cp / ep ranks left (docs/design.md §5.1)."""
+    the experts are FSDP-sharded over the dp x cp / ep ranks left (docs/design.md §5.2)."""
 
 
 @dataclass

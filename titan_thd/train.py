@@ -32,7 +32,7 @@ from torch import nn
 from titan_thd import pipeline
 from titan_thd.components import hardware
 from titan_thd.components.checkpoint import CheckpointError, CheckpointManager, model_fingerprint
-from titan_thd.components.loss import cross_entropy_sum
+from titan_thd.components.loss import cross_entropy_sum, loss_context
 from titan_thd.components.lr_scheduler import LRSchedulersContainer
 from titan_thd.components.metrics import MetricsLogger, peak_tflops_per_rank, step_metrics
 from titan_thd.components.muon import Muon
@@ -62,6 +62,7 @@ from titan_thd.parallel.fsdp import (
     materialize_sharded,
 )
 from titan_thd.parallel.parallel_dims import ParallelDims
+from titan_thd.parallel.tensor_parallel import reduce_replicated_grads, validate_tensor_parallel
 
 logger = logging.getLogger("titan_thd")
 
@@ -238,10 +239,11 @@ class Trainer:
         `num_trained` is the global trained-token count of the step (the only divisor).
         """
         inp = self.local_inputs(microbatch)
-        out = self.model(inp.tokens, inp.meta)
-        ce = cross_entropy_sum(out.logits, inp.labels, inp.loss_mask)
-        loss = (ce + sum(out.aux_losses.values(), torch.zeros((), device=ce.device))) / num_trained
-        loss.backward()
+        with loss_context(self.parallel_dims.tp_enabled):
+            out = self.model(inp.tokens, inp.meta)
+            ce = cross_entropy_sum(out.logits, inp.labels, inp.loss_mask)
+            loss = (ce + sum(out.aux_losses.values(), torch.zeros((), device=ce.device))) / num_trained
+            loss.backward()
         return ce.detach(), {k: v.detach() for k, v in out.aux_losses.items()}
 
     def local_inputs(self, microbatch: PackedBatch) -> pipeline.StageInput:
@@ -270,6 +272,7 @@ class Trainer:
                 ce_sum += ce
                 for k, v in aux.items():
                     aux_sums[k] = aux_sums.get(k, 0) + v.double()
+            reduce_replicated_grads(self.model)  # TP: parameters used on each rank's rows / heads
         ep_mesh = self.parallel_dims.get_optional_mesh("ep")  # experts: each counted on its own rank
         ep_group = None if ep_mesh is None else ep_mesh.get_group()
         if self.pipeline is None:
@@ -601,6 +604,12 @@ def check_inputs(cfg: Config, world_size: int) -> tuple[ModelSpec, Tokenizer, An
         tokens_per_microbatch=t.tokens_per_microbatch,
         pad_to_multiple=cfg.data.pad_to_multiple,
         min_tokens_per_rank=spec.min_tokens_per_cp_rank(model_args),
+    )
+    validate_tensor_parallel(
+        degree=p.tensor_parallel_degree,
+        divides=spec.tp_divides(model_args),
+        tokens_per_cp_rank=t.tokens_per_microbatch // p.context_parallel_degree,
+        model=f"{cfg.model.name} {cfg.model.flavor}",
     )
     try:
         dims = ParallelDims.from_config(p, world_size)

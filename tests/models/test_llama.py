@@ -127,7 +127,7 @@ def test_stable_fqns():
     assert model.output.weight is not model.tok_embeddings.weight  # untied
 
 
-def test_tp_plan_names_real_modules_and_tp_is_refused():
+def test_tp_plan_names_real_modules():
     torch.manual_seed(0)
     model = build_llama(TINY)
     plan = tp_plan(model)
@@ -136,8 +136,6 @@ def test_tp_plan_names_real_modules_and_tp_is_refused():
         model.get_submodule(fqn)  # raises if the plan names a module that does not exist
     dims = ParallelDims(pp=1, dp_shard=1, cp=1, tp=1, world_size=1)
     assert parallelize_llama(model, dims, Parallelism()) is model
-    with pytest.raises(NotImplementedError, match="tensor_parallel_degree = 2"):
-        parallelize_llama(model, ParallelDims(pp=1, dp_shard=1, cp=1, tp=2, world_size=2), Parallelism())
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU error path")

@@ -5,6 +5,11 @@ The trainer divides the sum once by the global number of trained tokens of the o
 that division in one place, so the loss and its gradients do not depend on how the step's tokens
 are split into microbatches or ranks.
 
+Under tensor parallelism the LM head is vocabulary-parallel: its logits are a `Shard(-1)` DTensor
+([T, V/tp] on each tp rank) and the cross-entropy runs under `loss_parallel` (torch computes the
+softmax denominator and the target logit with two small all-reduces over tp), so the full [T, V]
+logits never exist on one rank. `loss_context` must cover the forward AND the backward.
+
 Legend:
     T  rows of this rank's microbatch
     V  vocabulary size
@@ -12,8 +17,12 @@ Legend:
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from titan_thd.data.packed_batch import IGNORE_INDEX
 
@@ -31,11 +40,18 @@ def cross_entropy_sum(
     """Sum of per-token cross-entropy over rows whose label is trained (a scalar).
 
     Logits below float32 (bf16) are upcast inside the loss so the softmax runs in fp32; float64
-    logits stay float64 (reference computations in tests).
+    logits stay float64 (reference computations in tests). Vocabulary-parallel logits (a DTensor,
+    inside `loss_context`) give the same sum on every tp rank, returned as a plain tensor.
     """
     labels_T = trained_labels(labels_T, loss_mask_T)
     logits_TV = logits_TV.to(torch.promote_types(logits_TV.dtype, torch.float32))
-    return F.cross_entropy(logits_TV, labels_T, ignore_index=IGNORE_INDEX, reduction="sum")
+    ce = F.cross_entropy(logits_TV, labels_T, ignore_index=IGNORE_INDEX, reduction="sum")
+    return ce.to_local() if isinstance(ce, DTensor) else ce
+
+
+def loss_context(tensor_parallel: bool) -> contextlib.AbstractContextManager:
+    """Wrap a microbatch's forward and backward: `loss_parallel` under tensor parallelism."""
+    return loss_parallel() if tensor_parallel else contextlib.nullcontext()
 
 
 def num_trained_tokens(labels_T: torch.Tensor, loss_mask_T: torch.Tensor | None = None) -> int:

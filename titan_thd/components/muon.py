@@ -15,7 +15,11 @@ shards are gathered to the owner, which orthogonalises the whole matrix (the sam
 process) and scatters the result's shards back. Each rank thus does 1/n of the Newton-Schulz work
 and receives only the matrices it owns, instead of every rank orthogonalising every matrix (for
 V4-Flash, ~33k expert matrices of 2048 x 4096: ~1.4e16 FLOPs per rank per step). With
-`ns_dtype = float32` every layout matches one process to float32 rounding.
+`ns_dtype = float32` every layout matches one process to float32 rounding. Tensor-parallel
+shards (docs/design.md §5.1) are orthogonalised as whole matrices too: a colwise / rowwise shard on
+the tp mesh goes to an owner over tp, and on the 2-D (fsdp, tp) mesh of FSDP2 over TP the tp shards
+are all-gathered first, then the fsdp rows go to an owner over fsdp (the tp ranks of one fsdp
+coordinate repeat the owner's work: 1/fsdp of the matrices per rank).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
@@ -99,42 +104,123 @@ class Muon(torch.optim.Optimizer):
 
 def orthogonalise(updates: list[torch.Tensor], steps: int, dtype: torch.dtype) -> list[torch.Tensor]:
     """`newton_schulz` of every update, each in its own layout (plain tensor or DTensor)."""
-    load: dict[tuple[int, int], int] = defaultdict(int)  # elements owned per (mesh, rank)
+    load: dict[tuple[int, int], int] = defaultdict(int)  # elements owned per (group, rank)
+
+    def owner_of(group: dist.ProcessGroup, numel: int) -> int:
+        n = dist.get_world_size(group)
+        owner = min(range(n), key=lambda r: (load[id(group), r], r))
+        load[id(group), owner] += numel
+        return owner
+
     out = []
     for u in updates:
         if not isinstance(u, DTensor):
             out.append(newton_schulz(u, steps, dtype).to(u.dtype))
-        elif u.device_mesh.ndim == 1 and u.placements == (Shard(0),):  # FSDP2's layout
-            n = u.device_mesh.size()
-            owner = min(range(n), key=lambda r: (load[id(u.device_mesh), r], r))
-            load[id(u.device_mesh), owner] += u.numel()
-            out.append(_newton_schulz_at_owner(u, owner, steps, dtype))
-        else:  # any other layout: every rank orthogonalises the gathered matrix
+            continue
+        layout = _row_layout(u)
+        if layout is None:  # any other layout: every rank orthogonalises the gathered matrix
             full = newton_schulz(u.full_tensor(), steps, dtype).to(u.dtype)
             out.append(distribute_tensor(full, u.device_mesh, u.placements, src_data_rank=None))
+            continue
+        group, rows_r, transposed, tp = layout
+        local = u.to_local()
+        if tp is not None:  # gather the tensor-parallel shards first: whole rows (or columns)
+            local = tp.gather(local)
+        piece = local.mT if transposed else local
+        ortho = _newton_schulz_at_owner(piece, rows_r, group, owner_of(group, u.numel()), steps, dtype)
+        ortho = ortho.mT if transposed else ortho
+        if tp is not None:
+            ortho = tp.split(ortho)
+        out.append(DTensor.from_local(ortho, u.device_mesh, u.placements, shape=u.shape, stride=u.stride()))
     return out
 
 
-def _newton_schulz_at_owner(u_AB: DTensor, owner: int, steps: int, dtype: torch.dtype) -> DTensor:
-    """Gather the row shards of `u_AB` to mesh rank `owner`, orthogonalise there, scatter back.
+def _chunk(idx: torch.Tensor, n: int, r: int) -> torch.Tensor:
+    """Rank r's part of `idx` as Shard / FSDP2 split it (torch.chunk: the last parts short or empty)."""
+    parts = idx.chunk(n)
+    return parts[r] if r < len(parts) else idx[:0]
 
-    Shard(0) splits rows as torch.chunk does (ceil(A/n) per rank, the last ranks short or empty);
-    gather and scatter want equal pieces, so every piece travels padded to ceil(A/n) rows.
-    """
-    mesh, (A, B) = u_AB.device_mesh, u_AB.shape
-    group, n, me = mesh.get_group(), mesh.size(), mesh.get_local_rank()
-    rows = -(-A // n)
-    local = u_AB.to_local()
-    assert local.shape == (max(0, min(rows, A - me * rows)), B), (local.shape, A, B, n, me)
-    piece = local.new_zeros(rows, B)
-    piece[: local.shape[0]] = local
+
+class _TPGather:
+    """All-gather of the tensor-parallel shards of an update (a `Shard(dim)` on the tp mesh dim)."""
+
+    def __init__(self, group: dist.ProcessGroup, dim: int, sizes: list[int]):
+        self.group, self.dim, self.sizes = group, dim, sizes
+        self.me = dist.get_rank(group)
+
+    def gather(self, local: torch.Tensor) -> torch.Tensor:
+        assert local.shape[self.dim] == self.sizes[self.me], (local.shape, self.sizes, self.me)
+        big = max(self.sizes)
+        pad = [0, 0] * (local.ndim - 1 - self.dim) + [0, big - local.shape[self.dim]]
+        padded = torch.nn.functional.pad(local, pad).contiguous()
+        parts = [torch.empty_like(padded) for _ in self.sizes]
+        dist.all_gather(parts, padded, group=self.group)
+        return torch.cat([p.narrow(self.dim, 0, n) for p, n in zip(parts, self.sizes)], dim=self.dim)
+
+    def split(self, full: torch.Tensor) -> torch.Tensor:
+        return full.split(self.sizes, dim=self.dim)[self.me].contiguous()
+
+
+def _row_layout(u: DTensor):
+    """(group, rows of each group rank, transposed, tp gather or None) of the layouts Muon
+    orthogonalises at one owner rank, or None:
+    - 1-D `Shard(0)` (FSDP2, or a colwise TP shard) and `Shard(1)` (a rowwise TP shard, transposed);
+    - 2-D (fsdp, tp) of FSDP2 over TP: the tp shards are all-gathered, then the fsdp rows go to an
+      owner: dim 0 on fsdp is FSDP2's `Shard(0)` / `_StridedShard(0)` of the tp-local rows.
+    Row sets are numbered as torch.chunk splits them (the same arithmetic as FSDP2 and Shard)."""
+    mesh, (A, B) = u.device_mesh, u.shape
+    if mesh.ndim == 1 and u.placements in ((Shard(0),), (Shard(1),)):
+        transposed = u.placements == (Shard(1),)
+        n, rows = mesh.size(), torch.arange(B if transposed else A)
+        return mesh.get_group(), [_chunk(rows, n, r) for r in range(n)], transposed, None
+    if mesh.ndim != 2 or not isinstance(u.placements[0], Shard | _StridedShard) or u.placements[0].dim != 0:
+        return None
+    tp_placement = u.placements[1]
+    if tp_placement not in (Shard(0), Shard(1)):
+        return None
+    n_f, n_t = mesh.size(0), mesh.size(1)
+    t = mesh.get_local_rank(1)
+    fsdp_group, tp_group = mesh.get_group(0), mesh.get_group(1)
+    rows = torch.arange(A)
+    if tp_placement == Shard(1):  # FSDP rows of the full rows; the columns split over tp
+        cols_t = [len(_chunk(torch.arange(B), n_t, s)) for s in range(n_t)]
+        f_rows = [_chunk(rows, n_f, f) for f in range(n_f)]
+        return fsdp_group, f_rows, False, _TPGather(tp_group, 1, cols_t)
+    # Colwise: tp rank s holds rows chunk_s(A); FSDP2 gives fsdp rank f chunk_f of those.
+    f_rows = [torch.cat([_chunk(_chunk(rows, n_t, s), n_f, f) for s in range(n_t)]) for f in range(n_f)]
+    me_f = mesh.get_local_rank(0)
+    sizes = [len(_chunk(_chunk(rows, n_t, s), n_f, me_f)) for s in range(n_t)]
+    assert sum(sizes) == len(f_rows[me_f]) and sizes[t] == u.to_local().shape[0], (sizes, u.to_local().shape)
+    return fsdp_group, f_rows, False, _TPGather(tp_group, 0, sizes)
+
+
+def _newton_schulz_at_owner(
+    piece: torch.Tensor,
+    rows_r: list[torch.Tensor],
+    group: dist.ProcessGroup,
+    owner: int,
+    steps: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Rank r of `group` holds rows `rows_r[r]` of a matrix (`piece`): gather them to `owner`,
+    orthogonalise the whole matrix there, scatter each rank's rows of the result back.
+
+    Gather and scatter want equal pieces, so every piece travels padded to the longest."""
+    n, me = dist.get_world_size(group), dist.get_rank(group)
+    assert piece.shape[0] == len(rows_r[me]), (piece.shape, len(rows_r[me]), me)
+    big = max(len(r) for r in rows_r)
+    padded = piece.new_zeros(big, piece.shape[1])
+    padded[: piece.shape[0]] = piece
     root = dist.get_global_rank(group, owner)
-    pieces = [torch.empty_like(piece) for _ in range(n)] if me == owner else None
-    dist.gather(piece, pieces, dst=root, group=group)
+    pieces = [torch.empty_like(padded) for _ in range(n)] if me == owner else None
+    dist.gather(padded, pieces, dst=root, group=group)
     if me == owner:
-        ortho = newton_schulz(torch.cat(pieces)[:A], steps, dtype).to(piece.dtype)
-        pieces = list(torch.cat([ortho, ortho.new_zeros(rows * n - A, B)]).split(rows))
-    dist.scatter(piece, pieces, src=root, group=group)
-    return DTensor.from_local(
-        piece[: local.shape[0]], mesh, u_AB.placements, shape=u_AB.shape, stride=u_AB.stride()
-    )
+        full = padded.new_empty(sum(len(r) for r in rows_r), piece.shape[1])
+        for p, rows in zip(pieces, rows_r):
+            full[rows] = p[: len(rows)]
+        ortho = newton_schulz(full, steps, dtype).to(padded.dtype)
+        pieces = [
+            torch.cat([ortho[rows], ortho.new_zeros(big - len(rows), ortho.shape[1])]) for rows in rows_r
+        ]
+    dist.scatter(padded, pieces, src=root, group=group)
+    return padded[: piece.shape[0]]

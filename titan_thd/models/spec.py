@@ -47,10 +47,12 @@ class ModelSpec:
     """The context-parallel split the model computes exactly (parallelism.context_parallel_mode = auto
     follows it; another mode is refused): see titan_thd/parallel/context_parallel.py."""
     parallelize: Callable[..., nn.Module] | None = None
-    """(model, parallel_dims, parallelism_config) -> model; applies TP, then FSDP (CP needs no
+    """(model, parallel_dims, parallelism_config) -> model; applies TP, CP, then FSDP (CP needs no
     wrapping: the layers read BatchMeta.cp)."""
     min_tokens_per_cp_rank: Callable[[Any], int] = field(default=lambda args: 1)
     """Smallest local shard (T / cp) the model supports, e.g. its CP halo width."""
+    tp_divides: Callable[[Any], dict[str, int]] = field(default=lambda args: {})
+    """args -> {size name: size} that parallelism.tensor_parallel_degree must divide (heads, groups)."""
     matrix_params: Callable[[nn.Module], list[str]] | None = None
     """Names of parameters that Muon updates (the rest go to AdamW); None = every 2-D weight except
     embeddings and the LM head."""

@@ -1,4 +1,4 @@
-"""Expert parallelism for the DSv4 MoE: tokens to their experts' ranks and back (docs/design.md §5.1).
+"""Expert parallelism for the DSv4 MoE: tokens to their experts' ranks and back (docs/design.md §5.2).
 
 Legend:  E routed experts   ep ranks in the group   L = E / ep experts per rank (rank r holds the
 global ids r L .. r L + L - 1)   N routed rows (tokens x k) of this rank

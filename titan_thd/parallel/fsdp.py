@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from titan_thd.parallel.parallel_dims import ParallelDims
 
@@ -93,14 +93,15 @@ def materialize_sharded(model: nn.Module, device: str | torch.device = "cpu", st
 
 def largest_unsharded_unit_bytes(model: nn.Module) -> int:
     """Bytes of the largest FSDP unit's full (unsharded) parameters: what one all-gather of a
-    forward or backward materialises on a rank, whatever the world size."""
+    forward or backward materialises on a rank, whatever the fsdp degree (its tp share under TP)."""
     units = [m for m in model.modules() if isinstance(m, FSDPModule)] or [model]
     nested = {u: [v for v in u.modules() if v is not u and isinstance(v, FSDPModule)] for u in units}
     largest = 0
     for unit in units:
         inner = {id(p) for v in nested[unit] for p in v.parameters()}
         own = [p for p in unit.parameters() if id(p) not in inner]
-        largest = max(largest, sum(p.numel() * p.element_size() for p in own))  # DTensor: global numel
+        # A DTensor's global shape, less its tensor-parallel split (an FSDP all-gather stops at tp).
+        largest = max(largest, sum(math.prod(_tp_local_shape(p)) * p.element_size() for p in own))
     return largest
 
 
@@ -137,6 +138,25 @@ def local_numel(shape: torch.Size | tuple[int, ...], shards: int, shard_rank: in
     return local_rows * math.prod(shape[1:])
 
 
+def _tp_local_shape(p: torch.Tensor) -> tuple[int, ...]:
+    """Global shape with the tensor-parallel dimension cut to tp rank 0's share (ceil)."""
+    shape = list(p.shape)
+    names = (p.device_mesh.mesh_dim_names or ()) if isinstance(p, DTensor) else ()
+    if "tp" in names:
+        i = names.index("tp")
+        placement = p.placements[i]
+        if isinstance(placement, Shard):
+            shape[placement.dim] = math.ceil(shape[placement.dim] / p.device_mesh.size(i))
+    return tuple(shape)
+
+
+def _fsdp_shards(p: DTensor) -> int:
+    names = p.device_mesh.mesh_dim_names or ()
+    return math.prod(
+        p.device_mesh.size(i) for i in range(p.device_mesh.ndim) if i >= len(names) or names[i] != "tp"
+    )
+
+
 def estimate_memory_per_rank(
     model: nn.Module,
     parallel_dims: ParallelDims,
@@ -149,8 +169,8 @@ def estimate_memory_per_rank(
     Works on a full, a sharded (DTensor shapes are global) or a meta model. Parameters and
     gradients are stored in `dtype`; AdamW keeps two states per parameter, Muon one for the
     parameters named in `muon_params` (AdamW for the rest). Under pipeline parallelism pass
-    one stage's module; tensor parallelism is not modelled (not implemented yet); activations are
-    excluded.
+    one stage's module; a tensor-parallel shard counts its share of the tp-split dimension;
+    activations are excluded.
     """
     if optimizer not in ("adamw", "muon"):
         raise ValueError(f"estimate_memory_per_rank: optimizer {optimizer!r}, expected adamw or muon")
@@ -158,8 +178,9 @@ def estimate_memory_per_rank(
     shards = parallel_dims.fsdp_degree if parallel_dims.fsdp_enabled else 1
     params = states = 0
     for name, p in model.named_parameters():
-        # A sharded parameter's own mesh (expert-parallel experts: efsdp, not fsdp).
-        n = local_numel(p.shape, p.device_mesh.size() if isinstance(p, DTensor) else shards)
+        # A sharded parameter's own mesh (expert-parallel experts: efsdp, not fsdp); its tp
+        # dimension is a tensor-parallel split, the others FSDP's.
+        n = local_numel(_tp_local_shape(p), _fsdp_shards(p) if isinstance(p, DTensor) else shards)
         params += n
         states += n * (1 if optimizer == "muon" and name in muon_params else 2)
     return MemoryEstimate(params, params * itemsize, params * itemsize, states * itemsize)

@@ -9,7 +9,7 @@ position; it asks for a *named* mesh, and every name has exactly one purpose:
 | `loss`  | dp x cp | loss and trained-token-count reduction (every rank that holds tokens)   |
 | `fsdp`  | dp x cp | parameter sharding (FSDP2); CP ranks hold the same weights, so they shard too |
 | `cp`    | cp      | context parallelism: ranks that split one microbatch's tokens           |
-| `tp`    | tp      | tensor parallelism (not implemented yet)                                |
+| `tp`    | tp      | tensor parallelism: ranks that split heads / columns of one microbatch   |
 | `pp`    | pp      | pipeline stages: ranks with the same (dp, cp, tp) coordinate, one per stage |
 | `ep`    | ep      | expert parallelism: consecutive dp x cp ranks that split the routed experts |
 | `efsdp` | dp x cp / ep | FSDP of the routed experts: the ranks holding the same experts (one per ep group) |
@@ -117,16 +117,18 @@ class ParallelDims:
         )
 
     def check_implemented(self) -> None:
-        """Tensor parallelism is accepted for fake-PG plans but cannot train yet."""
-        if self.tp > 1:
+        """Layouts the trainer cannot run yet: tensor with pipeline parallelism (the stage boundary
+        would carry sequence-parallel rows), tensor with expert parallelism."""
+        if self.tp > 1 and self.pp > 1:
             raise ValueError(
-                f"parallelism.tensor_parallel_degree = {self.tp}: tensor parallelism is not implemented yet "
-                "(use 1)"
+                f"parallelism.tensor_parallel_degree = {self.tp} with pipeline_parallel_degree = {self.pp}: "
+                "tensor and pipeline parallelism together are not implemented yet; set one of them to 1"
             )
         if self.ep > 1 and self.tp > 1:
             raise ValueError(
                 f"parallelism.expert_parallel_degree = {self.ep} with tensor_parallel_degree = {self.tp}: "
-                "expert parallelism with tensor parallelism is not implemented (set one of them to 1)"
+                "tensor parallelism splits every expert's hidden columns, expert parallelism places whole "
+                "experts; together they are not implemented yet (set one of them to 1)"
             )
 
     # ------------------------------------------------------------------ degrees

@@ -14,7 +14,7 @@ from titan_thd.models.dsv4.args import CP_MODE, DSv4Args, flavors
 from titan_thd.models.dsv4.flops import flops_per_step
 from titan_thd.models.dsv4.hf_interop import check_hf, export_hf, load_hf, load_hf_into
 from titan_thd.models.dsv4.model import DSv4Model, build_dsv4, per_document_logits
-from titan_thd.models.dsv4.parallelize import parallelize_dsv4
+from titan_thd.models.dsv4.parallelize import parallelize_dsv4, tp_divides
 from titan_thd.models.spec import ModelSpec
 
 
@@ -41,6 +41,7 @@ spec = ModelSpec(
     flops_per_step=flops_per_step,
     cp_mode=CP_MODE,
     parallelize=parallelize_dsv4,
+    tp_divides=tp_divides,
     min_tokens_per_cp_rank=lambda args: args.halo,
     matrix_params=matrix_params,
     init_from_hf=load_hf_into,

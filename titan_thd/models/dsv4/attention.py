@@ -14,11 +14,16 @@ Under contiguous context parallelism (docs/dsv4.md §9.2) queries stay local; th
 attention input `x_TD` (normed, mHC-collapsed) preceded by rank r-1's last `halo` rows (R = halo +
 T rows, re-projected here), and the compressed entries are all-gathered (context_parallel.py).
 Without CP, R = T.
+
+Under tensor parallelism (docs/design.md §5.1) x_TD holds all T rows on every tp rank and the
+query heads, sinks and output groups are this rank's share (whole groups): H and G are read from
+the local shapes, and the output is a partial sum over tp that the caller reduce-scatters.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from titan_thd.models.dsv4.args import DSv4Args
@@ -29,13 +34,16 @@ from titan_thd.models.dsv4.norm import RMSNorm, rms_norm
 from titan_thd.models.dsv4.plans import BatchPlan, CosSin
 from titan_thd.models.dsv4.rope import apply_rope
 from titan_thd.models.dsv4.sparse_attention import sparse_mqa
+from titan_thd.parallel.tensor_parallel import local
 
 
 class Attention(nn.Module):
     def __init__(self, args: DSv4Args, layer_type: str):
         super().__init__()
         self.layer_type = layer_type
-        self.n_heads, self.head_dim, self.o_groups = args.n_heads, args.head_dim, args.o_groups
+        self.head_dim, self.o_lora_rank = args.head_dim, args.o_lora_rank
+        self.tp_group: torch.distributed.ProcessGroup | None = None
+        """The tp group when the heads are split over tp (set by parallelize.apply_tp)."""
         self.eps, self.chunk, self.kl_mode = args.norm_eps, args.attn_chunk, args.indexer_loss_mode
         H, D = args.n_heads, args.head_dim
         self.wq_a = nn.Linear(args.dim, args.q_lora_rank, bias=False)
@@ -59,11 +67,12 @@ class Attention(nn.Module):
         self, x_TD: torch.Tensor, plan: BatchPlan, with_kl: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(output [T, d], indexer KL summed over valid rows, or None when not asked / not CSA)."""
-        T, H, D = x_TD.shape[0], self.n_heads, self.head_dim
+        T, D = x_TD.shape[0], self.head_dim
         rope_k, rope_q = plan.rope(self.layer_type)
         x_RD = with_left_halo(x_TD, plan)
         cq_TQ = self.q_norm(self.wq_a(x_TD))
-        q_THD = apply_rope(rms_norm(self.wq_b(cq_TQ).view(T, H, D), self.eps).to(x_TD.dtype), *rope_q)
+        q_THD = F.linear(cq_TQ, local(self.wq_b.weight)).view(T, -1, D)  # this rank's heads
+        q_THD = apply_rope(rms_norm(q_THD, self.eps).to(x_TD.dtype), *rope_q)
         kv_RD = apply_rope(self.kv_norm(self.wkv(x_RD)), *rope_k)
         if self.compressor is None:  # sliding: the window keys only
             return self._attend(q_THD, kv_RD, plan.window_TW, rope_q), None
@@ -87,13 +96,14 @@ class Attention(nn.Module):
             q_THD=q_THD,
             kv_RD=kv_RD,
             comp_CD=comp_CD,
-            sink_H=self.attn_sink,
+            sink_H=local(self.attn_sink),
             window_TW=plan.window_TW,
             cand_TK=cand_TK,
             student_TK=self.indexer.scores(q_I, w_I, k_I, cand_TK),
             row_ok_T=plan.real_T,
             scale=D**-0.5,
             chunk=self.chunk,
+            tp_group=self.tp_group,
         )
         return out_TD, kl
 
@@ -101,12 +111,13 @@ class Attention(nn.Module):
         self, q_THD: torch.Tensor, kv_SD: torch.Tensor, idx_TK: torch.Tensor, rope_q: CosSin
     ) -> torch.Tensor:
         """One softmax of every query over its listed key rows and its sink, then the output projection."""
-        T, H, D, G = q_THD.shape[0], self.n_heads, self.head_dim, self.o_groups
-        o_THD, _ = sparse_mqa(q_THD, kv_SD, idx_TK, self.attn_sink, D**-0.5, self.chunk)
+        (T, H, D), wo_a = q_THD.shape, local(self.wo_a.weight)
+        G = wo_a.shape[0] // self.o_lora_rank  # this rank's groups: its H heads, whole groups
+        o_THD, _ = sparse_mqa(q_THD, kv_SD, idx_TK, local(self.attn_sink), D**-0.5, self.chunk)
         o_THD = apply_rope(o_THD, *rope_q, inverse=True)
-        wo_a_GOI = self.wo_a.weight.view(G, -1, H * D // G)
+        wo_a_GOI = wo_a.view(G, -1, H * D // G)
         o_TGO = torch.einsum("tgi,goi->tgo", o_THD.reshape(T, G, -1), wo_a_GOI)
-        return self.wo_b(o_TGO.flatten(1))
+        return F.linear(o_TGO.flatten(1), local(self.wo_b.weight))
 
 
 def _with_entries(window_TW: torch.Tensor, entries_TE: torch.Tensor, R: int) -> torch.Tensor:

@@ -16,6 +16,7 @@ main model either (docs/dsv4.md pitfall 10).
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -121,13 +122,16 @@ def indexer_kl(
     row_ok_T: torch.Tensor,
     scale: float,
     chunk: int,
+    tp_group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """Sum over valid rows of KL(teacher || student) over each row's candidate entries.
 
     Teacher: the main attention's probabilities on the candidates, normalised by the full softmax
     mass (window + candidates + sink), summed over heads, then L1-normalised over the candidates;
     computed from detached tensors. Student: softmax of the indexer scores over the same candidates.
-    Rows without candidates and padding rows (`row_ok_T` False) do not count.
+    Rows without candidates and padding rows (`row_ok_T` False) do not count. Under tensor
+    parallelism q_THD / sink_H are this rank's heads: the head sum of the mass is all-reduced over
+    `tp_group` (no gradient), so every tp rank gets the single-process teacher and the same KL.
     """
     acc = torch.promote_types(q_THD.dtype, torch.float32)
     teacher_TK = torch.empty(cand_TK.shape, dtype=acc, device=q_THD.device)
@@ -138,8 +142,10 @@ def indexer_kl(
             lc_nHK = _logits(q_THD[rows], comp_CD, cand_TK[rows], scale, acc)
             sink_nH1 = sink_H.to(acc)[None, :, None].expand(lc_nHK.shape[0], -1, 1)
             lse_nH1 = torch.cat([lw_nHW, lc_nHK, sink_nH1], dim=-1).logsumexp(-1, keepdim=True)
-            mass_nK = torch.exp(lc_nHK - lse_nH1).sum(1)
-            teacher_TK[rows] = mass_nK / mass_nK.sum(-1, keepdim=True).clamp_min(torch.finfo(acc).tiny)
+            teacher_TK[rows] = torch.exp(lc_nHK - lse_nH1).sum(1)  # mass over (this rank's) heads
+        if tp_group is not None:
+            dist.all_reduce(teacher_TK, group=tp_group)
+        teacher_TK /= teacher_TK.sum(-1, keepdim=True).clamp_min(torch.finfo(acc).tiny)
         ok_T = row_ok_T & (cand_TK >= 0).any(-1)
     teacher_rK = teacher_TK[ok_T]
     log_student_rK = torch.log_softmax(student_TK[ok_T].to(acc), dim=-1).masked_fill(teacher_rK == 0, 0.0)

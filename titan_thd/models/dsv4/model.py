@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from titan_thd.components.loss import cross_entropy_sum
 from titan_thd.data.batch_meta import BatchMeta
 from titan_thd.models.dsv4.args import DSv4Args
 from titan_thd.models.dsv4.attention import Attention
@@ -77,10 +78,11 @@ class DSv4Model(nn.Module):
             return ModelOutput(h_TND, aux)
         logits_TV = self.head(self.norm(self.hc_head(h_TND)))
         if self.mtp and meta.labels_full is not None and args.mtp_loss_weight > 0:
-            aux["mtp"] = args.mtp_loss_weight * self._mtp_loss_sum(h_TND, meta, plan)
+            vocab_parallel = isinstance(logits_TV, DTensor)  # tensor parallelism: Shard(-1) logits
+            aux["mtp"] = args.mtp_loss_weight * self._mtp_loss_sum(h_TND, meta, plan, vocab_parallel)
         return ModelOutput(logits_TV, aux)
 
-    def _mtp_loss_sum(self, h_TND: torch.Tensor, meta: BatchMeta, plan) -> torch.Tensor:
+    def _mtp_loss_sum(self, h_TND: torch.Tensor, meta: BatchMeta, plan, vocab_parallel: bool) -> torch.Tensor:
         assert meta.loss_mask_full is not None, "MTP needs the loss mask with the labels"
         # Over the whole microbatch, then this rank's rows: a row's MTP target is the next row's label,
         # which may live on the next CP rank (labels_full is global, so no communication).
@@ -88,6 +90,10 @@ class DSv4Model(nn.Module):
             v[plan.rows] for v in mtp_inputs_targets(meta.labels_full, meta.loss_mask_full, plan.doc_full)
         )
         x_TD = self.mtp[0](h_TND, self.embed(next_T), next_T, plan)
+        if vocab_parallel:
+            # Vocabulary-parallel head (tensor parallelism): x_TD is this rank's sequence-parallel
+            # rows, the head gathers all of them, the untrained ones are masked in the loss.
+            return cross_entropy_sum(self.head(x_TD), target_T, trained_T)
         logits_rV = self.head(x_TD[trained_T])
         acc = torch.promote_types(logits_rV.dtype, torch.float32)
         return F.cross_entropy(logits_rV.to(acc), target_T[trained_T], reduction="sum")

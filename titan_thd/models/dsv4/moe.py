@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from titan_thd.models.dsv4.args import DSv4Args
+from titan_thd.parallel.tensor_parallel import local
 
 
 class Expert(nn.Module):
@@ -40,10 +41,11 @@ class Expert(nn.Module):
         self.w3 = nn.Linear(dim, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w1(x), self.w3(x)
+        # local(): under tensor parallelism this rank's hidden columns (a partial output).
+        gate, up = F.linear(x, local(self.w1.weight)), F.linear(x, local(self.w3.weight))
         if self.limit > 0:
             gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
-        return self.w2(F.silu(gate) * up)
+        return F.linear(F.silu(gate) * up, local(self.w2.weight))
 
 
 def grouped_mm(h_NI: torch.Tensor, w_EIO: torch.Tensor, counts: list[int]) -> torch.Tensor:
@@ -171,6 +173,12 @@ class MoE(nn.Module):
         """Expert-parallel group (set by parallel.expert_parallel.apply_ep); None = all experts local."""
 
     def forward(self, x_TD: torch.Tensor, tokens_T: torch.Tensor, real_T: torch.Tensor) -> torch.Tensor:
+        # Per-token metadata must describe exactly these rows (all T/cp rows also under TP).
+        assert x_TD.shape[0] == tokens_T.shape[0] == real_T.shape[0], (
+            x_TD.shape,
+            tokens_T.shape,
+            real_T.shape,
+        )
         experts_Tk, weights_Tk = self.gate(x_TD, tokens_T, real_T)
         k = experts_Tk.shape[1]
         flat = experts_Tk.flatten()

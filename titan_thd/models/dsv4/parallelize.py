@@ -1,37 +1,156 @@
-"""Parallelise a DSv4 model, in a fixed order: expert parallelism, then FSDP per block (routed
-experts of an expert-parallel run as units of their own over `efsdp`, docs/design.md §5.1).
-Context parallelism needs no wrapping; tensor parallelism is not implemented for dsv4."""
+"""Parallelise a DSv4 model: tensor parallel -> expert parallel -> context parallel -> FSDP, in
+that fixed order (tensor and expert parallelism do not combine yet: ParallelDims refuses it).
+
+Expert parallelism (docs/design.md §5.2): each rank keeps E / ep routed experts, which FSDP
+shards as units of their own over `efsdp`.
+
+Tensor parallelism (docs/design.md §5.1): the mHC streams [T, N, d] are sequence-parallel between
+sub-layers (this rank's T/cp/tp rows; mHC and the norms run on them), attention and the MoE are
+partial-sum regions over all T/cp rows (titan_thd/parallel/tensor_parallel.py), the embedding and
+the LM head are vocabulary-parallel.
+"""
 
 from __future__ import annotations
 
 from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    parallelize_module,
+)
 
 from titan_thd.config import Parallelism
+from titan_thd.models.dsv4.attention import Attention
 from titan_thd.models.dsv4.model import DSv4Model
 from titan_thd.models.dsv4.moe import MoE
-from titan_thd.parallel.expert_parallel import apply_ep
+from titan_thd.parallel import expert_parallel
 from titan_thd.parallel.parallel_dims import ParallelDims
+from titan_thd.parallel.tensor_parallel import (
+    GatherRows,
+    ReplicatedFullGrad,
+    ReplicatedPartialGrad,
+    ShardedLocal,
+    collect_replicated_grads,
+)
 
 
 def parallelize_dsv4(
     model: DSv4Model, parallel_dims: ParallelDims, parallelism_cfg: Parallelism
 ) -> DSv4Model:
-    if parallel_dims.tp > 1:
-        raise NotImplementedError(
-            f"parallelism.tensor_parallel_degree = {parallel_dims.tp}: tensor parallelism for dsv4 is not "
-            "implemented; use 1"
-        )
+    """Apply the parallelisms of `parallel_dims` (the degrees in `parallelism_cfg` are already in it)."""
+    apply_tp(model, parallel_dims)
+    expert_units = apply_ep(model, parallel_dims)
+    apply_cp(model, parallel_dims)
+    apply_fsdp(model, parallel_dims, expert_units)
+    return model
+
+
+def tp_divides(args) -> dict[str, int]:
+    """Model sizes that parallelism.tensor_parallel_degree must divide: heads and output groups
+    split by whole groups (a group's heads stay on one rank), expert hidden columns, the vocabulary."""
+    return {
+        "n_heads": args.n_heads,
+        "o_groups": args.o_groups,
+        "moe_inter_dim": args.moe_inter_dim,
+        "vocab_size": args.vocab_size,
+    }
+
+
+def _block_plan(prefix: str, block: nn.Module) -> dict[str, ParallelStyle]:
+    attn, ffn = block.attn, block.ffn
+    plan: dict[str, ParallelStyle] = {
+        # Sequence-parallel rows: mHC and the norms see this rank's rows only.
+        f"{prefix}.hc_attn": ReplicatedPartialGrad(),
+        f"{prefix}.attn_norm": ReplicatedPartialGrad(),
+        f"{prefix}.hc_ffn": ReplicatedPartialGrad(),
+        f"{prefix}.ffn_norm": ReplicatedPartialGrad(),
+        # Attention on all rows; query heads, sinks and output groups split by whole groups.
+        f"{prefix}.attn": GatherRows(shard={"attn_sink": 0}),
+        f"{prefix}.attn.wq_a": ReplicatedPartialGrad(),
+        f"{prefix}.attn.q_norm": ReplicatedPartialGrad(),
+        f"{prefix}.attn.wq_b": ShardedLocal(0),
+        f"{prefix}.attn.wkv": ReplicatedPartialGrad(),  # the one shared K=V head
+        f"{prefix}.attn.kv_norm": ReplicatedPartialGrad(),
+        f"{prefix}.attn.wo_a": ShardedLocal(0),  # [G * o_lora, H * D / G]: whole groups
+        f"{prefix}.attn.wo_b": ShardedLocal(1),
+        # MoE on all rows; the router is replicated, every expert split on its hidden columns.
+        f"{prefix}.ffn": GatherRows(),
+        f"{prefix}.ffn.gate": ReplicatedPartialGrad(),
+        f"{prefix}.ffn.shared_experts.w1": ShardedLocal(0),
+        f"{prefix}.ffn.shared_experts.w3": ShardedLocal(0),
+        f"{prefix}.ffn.shared_experts.w2": ShardedLocal(1),
+    }
+    if attn.compressor is not None:
+        plan[f"{prefix}.attn.compressor"] = ReplicatedPartialGrad()
+    if attn.indexer is not None:  # detached inputs, taught by an all-reduced teacher
+        plan[f"{prefix}.attn.indexer"] = ReplicatedFullGrad()
+    for e in range(len(ffn.experts)):
+        plan |= {
+            f"{prefix}.ffn.experts.{e}.w1": ShardedLocal(0),
+            f"{prefix}.ffn.experts.{e}.w3": ShardedLocal(0),
+            f"{prefix}.ffn.experts.{e}.w2": ShardedLocal(1),
+        }
+    return plan
+
+
+def tp_plan(model: DSv4Model) -> dict[str, ParallelStyle]:
+    """{fqn: style} of tensor + sequence parallelism (styles: parallel/tensor_parallel.py)."""
+    plan: dict[str, ParallelStyle] = {
+        "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0)),
+        "hc_head": ReplicatedPartialGrad(),
+        "norm": ReplicatedPartialGrad(),
+        "head": ColwiseParallel(input_layouts=Shard(0), output_layouts=Shard(-1), use_local_output=False),
+    }
+    for name, block in model.layers.items():
+        plan |= _block_plan(f"layers.{name}", block)
+    for j, block in enumerate(model.mtp):
+        plan |= _block_plan(f"mtp.{j}", block)
+        # The MTP input mixing and head run on the sequence-parallel rows too.
+        plan |= {f"mtp.{j}.{m}": ReplicatedPartialGrad() for m in ("enorm", "hnorm", "e_proj", "h_proj")}
+        plan |= {f"mtp.{j}.{m}": ReplicatedPartialGrad() for m in ("hc_head", "norm")}
+    return plan
+
+
+def apply_tp(model: DSv4Model, parallel_dims: ParallelDims) -> None:
+    """`tp_plan` over the tp mesh (degrees were checked by validate_tensor_parallel at start-up)."""
+    tp_mesh = parallel_dims.get_optional_mesh("tp")
+    if tp_mesh is None:
+        return
+    bad = {k: v for k, v in tp_divides(model.args).items() if v % parallel_dims.tp}
+    if bad:  # the trainer refuses these at start-up; direct callers get the same rule here
+        raise ValueError(f"tensor parallel degree {parallel_dims.tp} does not divide dsv4 {bad}")
+    parallelize_module(model, tp_mesh, tp_plan(model))
+    for module in model.modules():
+        if isinstance(module, Attention):  # the indexer-KL teacher sums its head mass over tp
+            module.tp_group = tp_mesh.get_group()
+    collect_replicated_grads(model, tp_mesh.get_group())
+
+
+def apply_ep(model: DSv4Model, parallel_dims: ParallelDims) -> list[tuple[nn.Module, object]]:
+    """Keep this rank's routed experts (parallel/expert_parallel.py); returns the FSDP units they
+    form over `efsdp` (sharded even over one rank, so their blocks' FSDP leaves them out)."""
+    if not parallel_dims.ep_enabled:
+        return []
     moes = [m for m in model.modules() if isinstance(m, MoE)]
-    expert_units = []
-    if parallel_dims.ep_enabled:
-        apply_ep(moes, parallel_dims.get_mesh("ep").get_group())
-        # Sharded even over one rank (ep = dp x cp): their blocks' FSDP must leave them out.
-        efsdp_mesh = parallel_dims.get_mesh("efsdp")
-        expert_units = [(m.experts, efsdp_mesh) for m in moes]
-    # Context parallelism needs no wrapping: the attention reads BatchMeta.cp (contiguous mode only).
+    expert_parallel.apply_ep(moes, parallel_dims.get_mesh("ep").get_group())
+    efsdp_mesh = parallel_dims.get_mesh("efsdp")
+    return [(m.experts, efsdp_mesh) for m in moes]
+
+
+def apply_cp(model: DSv4Model, parallel_dims: ParallelDims) -> None:
+    """Nothing to wrap: the attention reads BatchMeta.cp (contiguous mode only); under TP every
+    tp rank exchanges its halo and entries with the CP neighbours of its own tp coordinate."""
+
+
+def apply_fsdp(
+    model: DSv4Model, parallel_dims: ParallelDims, expert_units: list[tuple[nn.Module, object]] = ()
+) -> None:
+    """FSDP per block (MTP blocks included), then the root, over the fsdp mesh (dp x cp)."""
     fsdp_mesh = parallel_dims.get_optional_mesh("fsdp")
     if fsdp_mesh is None:
-        return model
+        return
     from titan_thd.parallel import fsdp  # lazily: pulls in FSDP2 only for multi-process runs
 
     blocks: list[nn.Module] = list(model.layers.values()) + list(model.mtp or ())
@@ -40,6 +159,5 @@ def parallelize_dsv4(
         fsdp_mesh,
         blocks,
         reshard_after_forward=not parallel_dims.pp_enabled,
-        other_units=expert_units,
+        other_units=list(expert_units),
     )
-    return model

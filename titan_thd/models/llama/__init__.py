@@ -2,7 +2,7 @@
 
 from titan_thd.models.llama.args import LlamaArgs, flavors, flops_per_step
 from titan_thd.models.llama.model import Llama, build_llama, padded_logits
-from titan_thd.models.llama.parallelize import parallelize_llama
+from titan_thd.models.llama.parallelize import parallelize_llama, tp_divides
 from titan_thd.models.spec import ModelSpec
 
 spec = ModelSpec(
@@ -14,6 +14,7 @@ spec = ModelSpec(
     cp_mode="zigzag",
     parallelize=parallelize_llama,
     padded_forward=padded_logits,
+    tp_divides=tp_divides,
 )
 
 __all__ = ["Llama", "LlamaArgs", "build_llama", "flavors", "flops_per_step", "parallelize_llama", "spec"]

@@ -1,4 +1,8 @@
-"""Parallelise a Llama model: tensor parallel -> context parallel -> FSDP, in that fixed order."""
+"""Parallelise a Llama model: tensor parallel -> context parallel -> FSDP, in that fixed order.
+
+docs/design.md §5.1: Megatron-style TP with sequence parallelism on the token rows and a
+vocabulary-parallel LM head (components/loss.py computes the loss on its `Shard(-1)` logits).
+"""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ from torch.distributed.tensor.parallel import (
     PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
+    parallelize_module,
 )
 
 from titan_thd.config import Parallelism
@@ -20,10 +25,20 @@ from titan_thd.parallel.parallel_dims import ParallelDims
 def parallelize_llama(model: Llama, parallel_dims: ParallelDims, parallelism_cfg: Parallelism) -> Llama:
     """Apply the parallelisms of `parallel_dims` (the degrees in `parallelism_cfg` are already in it)."""
     apply_tp(model, parallel_dims)
-    # Context parallelism needs no wrapping: the attention op reads the CP group, rank and mode
-    # from BatchMeta.cp (titan_thd/parallel/context_parallel.py).
+    apply_cp(model, parallel_dims)
     apply_fsdp(model, parallel_dims)
     return model
+
+
+def tp_divides(args) -> dict[str, int]:
+    """Model sizes that parallelism.tensor_parallel_degree must divide (heads split over tp ranks;
+    the vocabulary-parallel embedding and head, the feed-forward columns)."""
+    return {
+        "n_heads": args.n_heads,
+        "n_kv_heads": args.n_kv_heads,
+        "ffn_hidden_dim": args.ffn_hidden_dim,
+        "vocab_size": args.vocab_size,
+    }
 
 
 def tp_plan(model: Llama) -> dict[str, ParallelStyle]:
@@ -36,7 +51,8 @@ def tp_plan(model: Llama) -> dict[str, ParallelStyle]:
     plan: dict[str, ParallelStyle] = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0)),
         "norm": SequenceParallel(sequence_dim=0),
-        "output": ColwiseParallel(input_layouts=Shard(0), output_layouts=Replicate()),
+        # Vocabulary-parallel logits stay a DTensor: the loss runs under loss_parallel.
+        "output": ColwiseParallel(input_layouts=Shard(0), output_layouts=Shard(-1), use_local_output=False),
     }
     for name in model.layers:
         plan |= {
@@ -60,15 +76,22 @@ def tp_plan(model: Llama) -> dict[str, ParallelStyle]:
 
 
 def apply_tp(model: Llama, parallel_dims: ParallelDims) -> None:
-    if parallel_dims.tp > 1:
-        raise NotImplementedError(
-            f"parallelism.tensor_parallel_degree = {parallel_dims.tp}: tensor parallelism for llama "
-            "is added by the TP issue (the plan is `tp_plan`); use 1"
-        )
+    """`tp_plan` over the tp mesh (degrees were checked by validate_tensor_parallel at start-up)."""
+    tp_mesh = parallel_dims.get_optional_mesh("tp")
+    if tp_mesh is None:
+        return
+    parallelize_module(model, tp_mesh, tp_plan(model))
+
+
+def apply_cp(model: Llama, parallel_dims: ParallelDims) -> None:
+    """Nothing to wrap: the attention op reads the CP group, rank and mode from BatchMeta.cp
+    (titan_thd/parallel/context_parallel.py); under TP each tp rank runs CP on its heads."""
 
 
 def apply_fsdp(model: Llama, parallel_dims: ParallelDims) -> None:
-    """Shard every block, then the root (embedding, final norm and LM head), over the fsdp mesh."""
+    """Shard every block, then the root (embedding, final norm and LM head), over the fsdp mesh
+    (dp x cp). TP-sharded parameters become 2-D DTensors on (fsdp, tp): FSDP2 shards their local
+    TP shard once more on dim 0."""
     fsdp_mesh = parallel_dims.get_optional_mesh("fsdp")
     if fsdp_mesh is None:
         return
