@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -28,7 +28,9 @@ from torch.distributed.tensor import DTensor
 from titan_thd.components import hardware
 from titan_thd.components.muon import Muon
 from titan_thd.config import Optimizer as OptimizerConfig
-from titan_thd.models.spec import ModelSpec
+
+if TYPE_CHECKING:  # annotations only: models import the loss from components
+    from titan_thd.models.spec import ModelSpec
 
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
