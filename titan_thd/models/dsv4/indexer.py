@@ -118,23 +118,29 @@ def indexer_kl(
     row_ok_T: torch.Tensor,
     scale: float,
     chunk: int,
+    lse_TH: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Sum over valid rows of KL(teacher || student) over each row's candidate entries.
 
     Teacher: the main attention's probabilities on the candidates, normalised by the full softmax
     mass (window + candidates + sink), summed over heads, then L1-normalised over the candidates;
     computed from detached tensors. Student: softmax of the indexer scores over the same candidates.
-    Rows without candidates and padding rows (`row_ok_T` False) do not count.
+    Rows without candidates and padding rows (`row_ok_T` False) do not count. `lse_TH`: the log
+    of that full mass when the caller has it (the attention kernel's, when the candidates are the
+    attended entries), which saves recomputing the window logits.
     """
     acc = torch.promote_types(q_THD.dtype, torch.float32)
     teacher_TK = torch.empty(cand_TK.shape, dtype=acc, device=q_THD.device)
     with torch.no_grad():
         for a in range(0, q_THD.shape[0], chunk):
             rows = slice(a, a + chunk)
-            lw_nHW = _logits(q_THD[rows], kv_RD, window_TW[rows], scale, acc)
             lc_nHK = _logits(q_THD[rows], comp_CD, cand_TK[rows], scale, acc)
-            sink_nH1 = sink_H.to(acc)[None, :, None].expand(lc_nHK.shape[0], -1, 1)
-            lse_nH1 = torch.cat([lw_nHW, lc_nHK, sink_nH1], dim=-1).logsumexp(-1, keepdim=True)
+            if lse_TH is None:
+                lw_nHW = _logits(q_THD[rows], kv_RD, window_TW[rows], scale, acc)
+                sink_nH1 = sink_H.to(acc)[None, :, None].expand(lc_nHK.shape[0], -1, 1)
+                lse_nH1 = torch.cat([lw_nHW, lc_nHK, sink_nH1], dim=-1).logsumexp(-1, keepdim=True)
+            else:
+                lse_nH1 = lse_TH[rows].to(acc)[..., None]
             mass_nK = torch.exp(lc_nHK - lse_nH1).sum(1)
             teacher_TK[rows] = mass_nK / mass_nK.sum(-1, keepdim=True).clamp_min(torch.finfo(acc).tiny)
         ok_T = row_ok_T & (cand_TK >= 0).any(-1)
