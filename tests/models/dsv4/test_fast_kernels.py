@@ -8,10 +8,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+from types import SimpleNamespace
+
 import pytest
 import torch
 
-from titan_thd.models.dsv4.indexer import indexer_kl
+from titan_thd.models.dsv4.args import flavors
+from titan_thd.models.dsv4.indexer import Indexer, indexer_kl
 from titan_thd.models.dsv4.mhc import sinkhorn, sinkhorn_reference
 from titan_thd.models.dsv4.sparse_attention import dense_reference, sparse_mqa, window_band, with_entry_range
 
@@ -97,3 +101,30 @@ def test_indexer_kl_from_kernel_lse_equals_recomputed():
     ref = indexer_kl(**common)
     assert ref > 1e-3
     torch.testing.assert_close(indexer_kl(**common, lse_TH=lse), ref, rtol=1e-13, atol=0)
+
+
+def test_blocked_topk_selection_equals_per_query_reference():
+    """Indexer.select (scores per query block over a shared entry run) picks, for every query, the
+    k best of its own visible entries, ties to the lower entry index, like a per-query loop."""
+    g = torch.Generator().manual_seed(3)
+    lengths, m, HI, Di, k = [37, 130, 3, 90], 4, 2, 8, 5
+    start_T = torch.cat([torch.full((L,), sum(x // m for x in lengths[:i])) for i, L in enumerate(lengths)])
+    pos_T = torch.cat([torch.arange(L) for L in lengths])
+    n_c_T = torch.cat([torch.full((L,), L // m) for L in lengths])
+    plan = SimpleNamespace(start_T=start_T, n_vis_T=torch.minimum((pos_T + 1) // m, n_c_T))
+    q = torch.randn(len(pos_T), HI, Di, generator=g, dtype=torch.float64)
+    q[::7] = 0.0  # all-zero scores: exact ties among every visible entry
+    w = torch.randn(len(pos_T), HI, generator=g, dtype=torch.float64)
+    keys = torch.randn(int(sum(L // m for L in lengths)), Di, generator=g, dtype=torch.float64)
+    indexer = Indexer(
+        dataclasses.replace(
+            flavors["micro"], index_topk=k, index_n_heads=HI, index_head_dim=Di, attn_chunk=64
+        )
+    )
+    got = indexer.select(q, w, keys, plan)
+    for t in range(len(pos_T)):
+        cand = torch.arange(int(start_T[t]), int(start_T[t] + plan.n_vis_T[t]))
+        score = (w[t, :, None] * torch.relu(q[t] @ keys[cand].T)).sum(0) * Di**-0.5
+        order = torch.sort(-score, stable=True).indices[:k]
+        want = sorted(cand[order].tolist())
+        assert sorted(x for x in got[t].tolist() if x >= 0) == want, t

@@ -101,12 +101,12 @@ class _SparseMQA(torch.autograd.Function):
                 scale,
             )
             n = out_pHD[rows].shape[0]
-            o = torch.zeros(n, H, D, dtype=lse_pH.dtype, device=q_THD.device)
+            o = None
             if band_p is not None:
-                o += torch.bmm(band_p.view(-1, block * H, band_p.shape[-1]), band_kv).view(n, H, D)
+                o = torch.bmm(band_p.view(-1, block * H, band_p.shape[-1]), band_kv).view(n, H, D)
             if g_p is not None:
-                o += torch.bmm(g_p, g_kv)
-            out_pHD[rows] = o.to(q_THD.dtype)
+                o = torch.bmm(g_p, g_kv) if o is None else o.baddbmm_(g_p, g_kv)
+            out_pHD[rows] = o
         ctx.save_for_backward(q_pHD, kv_SD, idx_TK, sink_H, out_pHD, lse_pH, band_rows_NL, band_ok_TL)
         ctx.scale, ctx.chunk, ctx.block, ctx.T = scale, chunk, block, T
         out_THD, lse_TH = out_pHD[:T], lse_pH[:T]
@@ -143,14 +143,14 @@ class _SparseMQA(torch.autograd.Function):
             n = q_nHD.shape[0]
             do_nHD = dout_THD[rows].to(acc).contiguous()
             delta_nH = (do_nHD * out_pHD[rows].to(acc)).sum(-1)
-            dq = torch.zeros(n, H, D, dtype=acc, device=q_pHD.device)
+            dq = None
             if band_p is not None:
                 L = band_p.shape[-1]
                 do_bMD, q_bMD = do_nHD.view(-1, block * H, D), q_nHD.view(-1, block * H, D)
                 dp_bML = torch.bmm(do_bMD, band_kv.transpose(1, 2))
                 p_bML = band_p.view(-1, block * H, L)
                 dlogit_bML = p_bML * (dp_bML - delta_nH.view(-1, block * H, 1))
-                dq += torch.bmm(dlogit_bML, band_kv).view(n, H, D)
+                dq = torch.bmm(dlogit_bML, band_kv).view(n, H, D)
                 # K = V: each key slot gets its key gradient and its value gradient.
                 dkv_bLD = torch.baddbmm(
                     torch.bmm(p_bML.transpose(1, 2), do_bMD), dlogit_bML.transpose(1, 2), q_bMD, alpha=scale
@@ -158,12 +158,12 @@ class _SparseMQA(torch.autograd.Function):
                 dkv_SD.index_add_(0, rows_bL.flatten(), dkv_bLD.flatten(0, 1))
             if g_p is not None:
                 dlogit_nHK = g_p * (torch.bmm(do_nHD, g_kv.transpose(1, 2)) - delta_nH[..., None])
-                dq += torch.bmm(dlogit_nHK, g_kv)
+                dq = torch.bmm(dlogit_nHK, g_kv) if dq is None else dq.baddbmm_(dlogit_nHK, g_kv)
                 dkv_nKD = torch.baddbmm(
                     torch.bmm(g_p.transpose(1, 2), do_nHD), dlogit_nHK.transpose(1, 2), q_nHD, alpha=scale
                 )
                 dkv_SD.index_add_(0, idx_nK.clamp(min=0).flatten(), dkv_nKD.flatten(0, 1))
-            dq_pHD[rows] = (dq * scale).to(q_pHD.dtype)
+            dq_pHD[rows] = dq.mul_(scale)
             dsink_H -= (torch.exp(sink_H.to(acc)[None, :] - lse_nH) * delta_nH).sum(0)
         return (
             dq_pHD[:T],
@@ -215,23 +215,32 @@ def window_band(window_TW: torch.Tensor, halo: int, block: int, R: int) -> Band:
     return Band(block, rows_NL, ok_TL)
 
 
+def entry_blocks(
+    start_T: torch.Tensor, n_vis_T: torch.Tensor, block: int
+) -> tuple[torch.Tensor, int, torch.Tensor]:
+    """Per block of `block` queries the contiguous entry run holding every query's visible entries
+    [start, start + n_vis): (first entry lo_N, run length K (>= 1, the longest run; one host sync),
+    ok_PK [N * block, K] bool: slot j of the query's block, entry lo + j, is visible to it)."""
+    T = start_T.shape[0]
+    N = -(-T // block)
+    pad = N * block - T
+    end_T = start_T + n_vis_T
+    start_P = torch.cat([start_T, start_T[-1:].expand(pad)]) if pad else start_T
+    end_P = torch.cat([end_T, start_T[-1:].expand(pad)]) if pad else end_T
+    lo_N = start_P.view(N, block).amin(1)
+    K = max(1, int((end_P.view(N, block).amax(1) - lo_N).max()))
+    ent_PK = lo_N.repeat_interleave(block)[:, None] + torch.arange(K, device=start_T.device)
+    return lo_N, K, (ent_PK >= start_P[:, None]) & (ent_PK < end_P[:, None])
+
+
 def with_entry_range(
     band: Band, start_T: torch.Tensor, n_vis_T: torch.Tensor, first_row: int, S: int
 ) -> Band:
-    """`band` plus, for every query, the entries [start, start + n_vis) (key rows first_row + entry)
-    as a contiguous run per block: from the block's lowest start to its highest end (S buffer rows)."""
-    T, B = start_T.shape[0], band.block
-    N = band.rows_NL.shape[0]
-    pad = N * B - T
-    start_P = torch.cat([start_T, start_T[-1:].expand(pad)]) if pad else start_T
-    end_P = torch.cat([start_T + n_vis_T, start_T[-1:].expand(pad)]) if pad else start_T + n_vis_T
-    lo_N = start_P.view(N, B).amin(1)
-    K = max(1, int((end_P.view(N, B).amax(1) - lo_N).max()))  # one host sync per layer
-    ent_NK = lo_N[:, None] + torch.arange(K, device=start_T.device)
-    ent_PK = ent_NK.repeat_interleave(B, dim=0)
-    ok_PK = (ent_PK >= start_P[:, None]) & (ent_PK < end_P[:, None])
-    rows_NK = (first_row + ent_NK).clamp(max=S - 1)
-    return Band(B, torch.cat([band.rows_NL, rows_NK], 1), torch.cat([band.ok_TL, ok_PK], 1))
+    """`band` plus, for every query, its visible entries [start, start + n_vis) (key rows
+    first_row + entry), as one contiguous run per block (`entry_blocks`; S buffer rows)."""
+    lo_N, K, ok_PK = entry_blocks(start_T, n_vis_T, band.block)
+    rows_NK = (first_row + lo_N[:, None] + torch.arange(K, device=start_T.device)).clamp(max=S - 1)
+    return Band(band.block, torch.cat([band.rows_NL, rows_NK], 1), torch.cat([band.ok_TL, ok_PK], 1))
 
 
 def dense_reference(
