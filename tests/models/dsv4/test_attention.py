@@ -49,12 +49,30 @@ def allowed_mask(batch, args, kind: str) -> torch.Tensor:
     return mask
 
 
-def capture_core(monkeypatch) -> list:
+def _compact(idx_TK: torch.Tensor, width: int) -> torch.Tensor:
+    """The valid rows of each query first, -1 after, in `width` columns (no valid row dropped)."""
+    out = idx_TK.sort(dim=1, descending=True).values
+    assert width >= out.shape[1] or bool((out[:, width:] < 0).all())
+    if out.shape[1] < width:
+        out = torch.cat([out, out.new_full((out.shape[0], width - out.shape[1]), -1)], 1)
+    return out[:, :width]
+
+
+def capture_core(monkeypatch, window: int) -> list:
+    """Calls of the attention kernel, each key set as an explicit [T, window + entries] row list
+    (window keys in the first `window` columns), whatever form (band or list) the layer passed."""
     calls = []
 
-    def spy(q, kv, idx, sink, scale, chunk):
-        calls.append((q, kv, idx, sink, scale))
-        return sparse_mqa(q, kv, idx, sink, scale, chunk)
+    def spy(q, kv, idx, sink, scale, chunk, band=None):
+        T, parts = q.shape[0], []
+        if band is not None:
+            L = band.block + window - 1
+            full = band.as_index(T)
+            parts = [_compact(full[:, :L], window), full[:, L:]]
+        parts.append(idx if idx is not None else torch.full((T, 0), -1))
+        entries = torch.cat(parts[1:], 1)
+        calls.append((q, kv, torch.cat([parts[0], _compact(entries, entries.shape[1])], 1), sink, scale))
+        return sparse_mqa(q, kv, idx, sink, scale, chunk, band=band)
 
     monkeypatch.setattr(attention_mod, "sparse_mqa", spy)
     return calls
@@ -93,7 +111,7 @@ def test_keys_follow_thd_rules_and_sparse_equals_dense(kind, monkeypatch):
     args = micro(index_topk=64)
     model = build(args).eval()
     tokens, batch = packed(**DOCS, vocab=args.vocab_size)
-    calls = capture_core(monkeypatch)
+    calls = capture_core(monkeypatch, args.window)
     with torch.no_grad():
         model.layers[LAYER[kind]](
             model.embed(tokens)[:, None].expand(-1, 4, -1),
@@ -118,7 +136,7 @@ def test_entry_first_used_at_its_last_token(monkeypatch):
     args = micro(index_topk=64)
     model = build(args).eval()
     tokens, batch = packed(lengths=[70], vocab=args.vocab_size)
-    calls = capture_core(monkeypatch)
+    calls = capture_core(monkeypatch, args.window)
     with torch.no_grad():
         model(tokens, meta(batch))
     for layer_call, m in ((calls[1], args.csa_ratio), (calls[2], args.hca_ratio)):
@@ -131,7 +149,7 @@ def test_csa_selects_topk_of_visible_entries(monkeypatch):
     args = micro()  # index_topk = 4
     model = build(args).eval()
     tokens, batch = packed(**DOCS, vocab=args.vocab_size)
-    calls = capture_core(monkeypatch)
+    calls = capture_core(monkeypatch, args.window)
     with torch.no_grad():
         model(tokens, meta(batch))
     idx = calls[1][2][:, args.window :]

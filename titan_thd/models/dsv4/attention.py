@@ -33,7 +33,7 @@ from titan_thd.models.dsv4.indexer import Indexer, indexer_kl
 from titan_thd.models.dsv4.norm import RMSNorm, rms_norm
 from titan_thd.models.dsv4.plans import BatchPlan, CosSin
 from titan_thd.models.dsv4.rope import apply_rope
-from titan_thd.models.dsv4.sparse_attention import sparse_mqa
+from titan_thd.models.dsv4.sparse_attention import Band, sparse_mqa, window_band, with_entry_range
 from titan_thd.parallel.tensor_parallel import local
 
 
@@ -45,6 +45,8 @@ class Attention(nn.Module):
         self.tp_group: torch.distributed.ProcessGroup | None = None
         """The tp group when the heads are split over tp (set by parallelize.apply_tp)."""
         self.eps, self.chunk, self.kl_mode = args.norm_eps, args.attn_chunk, args.indexer_loss_mode
+        # Queries per band block: L = block + W - 1 key slots per block, W of them used per query.
+        self.block = args.window
         H, D = args.n_heads, args.head_dim
         self.wq_a = nn.Linear(args.dim, args.q_lora_rank, bias=False)
         self.q_norm = RMSNorm(args.q_lora_rank, args.norm_eps)
@@ -74,24 +76,28 @@ class Attention(nn.Module):
         q_THD = F.linear(cq_TQ, local(self.wq_b.weight)).view(T, -1, D)  # this rank's heads
         q_THD = apply_rope(rms_norm(q_THD, self.eps).to(x_TD.dtype), *rope_q)
         kv_RD = apply_rope(self.kv_norm(self.wkv(x_RD)), *rope_k)
+        # The window keys as a band: blocks of queries read contiguous key rows (docs/dsv4.md §16).
+        band = window_band(plan.window_TW, plan.halo, min(self.block, T), kv_RD.shape[0])
         if self.compressor is None:  # sliding: the window keys only
-            return self._attend(q_THD, kv_RD, plan.window_TW, rope_q), None
+            return self._attend(q_THD, kv_RD, None, band, rope_q)[0], None
 
         cplan = plan.compress[self.layer_type]
         comp_CD = gather_entries(self.compressor(x_RD, cplan), cplan, plan.group)
         kv_SD = torch.cat([kv_RD, comp_CD])
-        if self.indexer is None:  # HCA: every visible entry of the query's document
-            idx_TK = _with_entries(plan.window_TW, cplan.visible_all(), kv_RD.shape[0])
-            return self._attend(q_THD, kv_SD, idx_TK, rope_q), None
+        if self.indexer is None:  # HCA: every visible entry of the query's document, banded too
+            if comp_CD.shape[0]:
+                band = with_entry_range(band, cplan.start_T, cplan.n_vis_T, kv_RD.shape[0], kv_SD.shape[0])
+            return self._attend(q_THD, kv_SD, None, band, rope_q)[0], None
 
         # CSA: the indexer's top-k entries; its KL loss teaches it the main attention's choice.
         q_I, w_I, k_I = self.indexer(x_RD.detach(), cq_TQ.detach(), plan, rope_q)
         entries_TE = self.indexer.select(q_I, w_I, k_I, cplan)
-        idx_TK = _with_entries(plan.window_TW, entries_TE, kv_RD.shape[0])
-        out_TD = self._attend(q_THD, kv_SD, idx_TK, rope_q)
+        idx_TK = torch.where(entries_TE >= 0, entries_TE + kv_RD.shape[0], -1)
+        out_TD, lse_TH = self._attend(q_THD, kv_SD, idx_TK, band, rope_q)
         if not with_kl or comp_CD.shape[0] == 0:
             return out_TD, None
-        cand_TK = entries_TE if self.kl_mode == "sparse" else cplan.visible()
+        sparse = self.kl_mode == "sparse"
+        cand_TK = entries_TE if sparse else cplan.visible()
         kl = indexer_kl(
             q_THD=q_THD,
             kv_RD=kv_RD,
@@ -104,23 +110,27 @@ class Attention(nn.Module):
             scale=D**-0.5,
             chunk=self.chunk,
             tp_group=self.tp_group,
+            # Sparse: the candidates are the attended entries, so the kernel's lse is the full mass.
+            lse_TH=lse_TH.detach() if sparse else None,
         )
         return out_TD, kl
 
     def _attend(
-        self, q_THD: torch.Tensor, kv_SD: torch.Tensor, idx_TK: torch.Tensor, rope_q: CosSin
-    ) -> torch.Tensor:
-        """One softmax of every query over its listed key rows and its sink, then the output projection."""
+        self,
+        q_THD: torch.Tensor,
+        kv_SD: torch.Tensor,
+        idx_TK: torch.Tensor | None,
+        band: Band,
+        rope_q: CosSin,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One softmax of every query over its band and listed key rows and its sink, then the
+        output projection; (output [T, d], lse [T, H])."""
         (T, H, D), wo_a = q_THD.shape, local(self.wo_a.weight)
         G = wo_a.shape[0] // self.o_lora_rank  # this rank's groups: its H heads, whole groups
-        o_THD, _ = sparse_mqa(q_THD, kv_SD, idx_TK, local(self.attn_sink), D**-0.5, self.chunk)
+        o_THD, lse_TH = sparse_mqa(
+            q_THD, kv_SD, idx_TK, local(self.attn_sink), D**-0.5, self.chunk, band=band
+        )
         o_THD = apply_rope(o_THD, *rope_q, inverse=True)
         wo_a_GOI = wo_a.view(G, -1, H * D // G)
         o_TGO = torch.einsum("tgi,goi->tgo", o_THD.reshape(T, G, -1), wo_a_GOI)
-        return F.linear(o_TGO.flatten(1), local(self.wo_b.weight))
-
-
-def _with_entries(window_TW: torch.Tensor, entries_TE: torch.Tensor, R: int) -> torch.Tensor:
-    """Key-buffer rows of every query: its window rows, then its compressed entries (-1 = none),
-    which sit after the R key rows in the buffer."""
-    return torch.cat([window_TW, torch.where(entries_TE >= 0, entries_TE + R, -1)], dim=1)
+        return F.linear(o_TGO.flatten(1), local(self.wo_b.weight)), lse_TH

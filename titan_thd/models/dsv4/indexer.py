@@ -25,6 +25,10 @@ from titan_thd.models.dsv4.compressor import Compressor
 from titan_thd.models.dsv4.context_parallel import gather_entries
 from titan_thd.models.dsv4.plans import BatchPlan, CompressPlan
 from titan_thd.models.dsv4.rope import apply_rope
+from titan_thd.models.dsv4.sparse_attention import entry_blocks
+
+SELECT_BLOCK = 64
+"""Queries per block of the top-k scoring (they share one contiguous range of candidate entries)."""
 
 
 class Indexer(nn.Module):
@@ -58,32 +62,38 @@ class Indexer(nn.Module):
     ) -> torch.Tensor:
         """[T, k] entries with the highest scores among each query's visible ones (-1 = none).
 
-        Scores of a query chunk are computed densely against the contiguous entry range its
-        documents span (a matmul, cost per query ~ (chunk + doc length) / m, flat in T), then masked.
-        Ties are broken towards the lower entry index, so the choice does not depend on what else
-        is packed into the microbatch (torch.topk alone gives no such guarantee, and ReLU makes exact
-        ties common).
+        Scores of a block of SELECT_BLOCK queries are computed densely against the contiguous entry
+        range its documents' visible entries span (one matmul per block, cost per query ~ (block +
+        doc length) / m), then masked. Ties are broken towards the lower entry index, so the choice
+        does not depend on what else is packed into the microbatch (torch.topk alone gives no such
+        guarantee, and ReLU makes exact ties common).
         """
-        T = q_THI.shape[0]
+        T, HI, Di = q_THI.shape
         out_Tk = torch.full((T, self.topk), -1, dtype=torch.long, device=q_THI.device)
-        for a in range(0, T, self.chunk):
-            start_n, n_vis_n = plan.start_T[a : a + self.chunk], plan.n_vis_T[a : a + self.chunk]
-            lo, hi = int(start_n.min()), int((start_n + n_vis_n).max())
-            if hi <= lo:
-                continue
-            score_nC = _scores_dense(
-                q_THI[a : a + self.chunk], w_TH[a : a + self.chunk], k_CI[lo:hi], self.head_dim
-            )
+        if k_CI.shape[0] == 0:
+            return out_Tk
+        B = min(SELECT_BLOCK, T)
+        lo_N, K, ok_PK = entry_blocks(plan.start_T, plan.n_vis_T, B)
+        N, k = lo_N.shape[0], min(self.topk, K)
+        pad = N * B - T
+        q_PHI = torch.cat([q_THI, q_THI.new_zeros(pad, HI, Di)]) if pad else q_THI
+        w_PH = torch.cat([w_TH, w_TH.new_zeros(pad, HI)]) if pad else w_TH
+        ent_NK = lo_N[:, None] + torch.arange(K, device=q_THI.device)
+        k_NKI = k_CI[ent_NK.clamp(max=k_CI.shape[0] - 1)]
+        step = max(1, self.chunk // B)  # blocks per chunk: bounds the [rows, HI, K] temporaries
+        for n0 in range(0, N, step):
+            blocks, rows = slice(n0, n0 + step), slice(n0 * B, (n0 + step) * B)
+            relu = torch.bmm(q_PHI[rows].reshape(-1, B * HI, Di), k_NKI[blocks].transpose(1, 2))
+            relu_RHK = relu.view(-1, HI, K).relu_().mul_(self.head_dim**-0.5)
+            score_RK = torch.bmm(w_PH[rows][:, None, :], relu_RHK)[:, 0]
             # NaN scores (diverged weights) would break the k-per-row count below; as -inf the
             # forward goes on and the trainer's non-finite-loss check stops the run with its message.
-            score_nC = score_nC.nan_to_num_(nan=float("-inf"))
-            col_C = torch.arange(lo, hi, device=q_THI.device)
-            ok_nC = (col_C >= start_n[:, None]) & (col_C < (start_n + n_vis_n)[:, None])
-            score_nC.masked_fill_(~ok_nC, float("-inf"))
-            k = min(self.topk, hi - lo)
-            pick_nC = _topk_mask_low_index_first(score_nC, k)
-            cols_nk = pick_nC.nonzero()[:, 1].view(-1, k)  # ascending entry order per row
-            out_Tk[a : a + self.chunk, :k] = torch.where(ok_nC.gather(1, cols_nk), cols_nk + lo, -1)
+            score_RK.nan_to_num_(nan=float("-inf"))
+            score_RK.masked_fill_(~ok_PK[rows], float("-inf"))
+            cols_Rk = _topk_mask_low_index_first(score_RK, k).nonzero()[:, 1].view(-1, k)  # ascending
+            ent_Rk = ent_NK[blocks].repeat_interleave(B, dim=0).gather(1, cols_Rk)
+            picked = torch.where(ok_PK[rows].gather(1, cols_Rk), ent_Rk, -1)
+            out_Tk[rows.start : min(rows.stop, T), :k] = picked[: T - rows.start]
         return out_Tk
 
     def scores(
@@ -94,11 +104,6 @@ class Indexer(nn.Module):
         relu_THK = F.relu(torch.bmm(q_THI, k_TKI.transpose(1, 2))) * self.head_dim**-0.5
         score_TK = torch.bmm(w_TH[:, None, :], relu_THK)[:, 0]
         return score_TK.masked_fill(cand_TK < 0, float("-inf"))
-
-
-def _scores_dense(q_nHI: torch.Tensor, w_nH: torch.Tensor, k_CI: torch.Tensor, head_dim: int) -> torch.Tensor:
-    relu_nHC = F.relu(torch.einsum("nhi,ci->nhc", q_nHI, k_CI)) * head_dim**-0.5
-    return torch.bmm(w_nH[:, None, :], relu_nHC)[:, 0]
 
 
 def _topk_mask_low_index_first(score_nC: torch.Tensor, k: int) -> torch.Tensor:
@@ -123,6 +128,7 @@ def indexer_kl(
     scale: float,
     chunk: int,
     tp_group: dist.ProcessGroup | None = None,
+    lse_TH: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Sum over valid rows of KL(teacher || student) over each row's candidate entries.
 
@@ -132,16 +138,21 @@ def indexer_kl(
     Rows without candidates and padding rows (`row_ok_T` False) do not count. Under tensor
     parallelism q_THD / sink_H are this rank's heads: the head sum of the mass is all-reduced over
     `tp_group` (no gradient), so every tp rank gets the single-process teacher and the same KL.
+    `lse_TH`: the log of that full mass when the caller has it (the attention kernel's, when the
+    candidates are the attended entries), which saves recomputing the window logits.
     """
     acc = torch.promote_types(q_THD.dtype, torch.float32)
     teacher_TK = torch.empty(cand_TK.shape, dtype=acc, device=q_THD.device)
     with torch.no_grad():
         for a in range(0, q_THD.shape[0], chunk):
             rows = slice(a, a + chunk)
-            lw_nHW = _logits(q_THD[rows], kv_RD, window_TW[rows], scale, acc)
             lc_nHK = _logits(q_THD[rows], comp_CD, cand_TK[rows], scale, acc)
-            sink_nH1 = sink_H.to(acc)[None, :, None].expand(lc_nHK.shape[0], -1, 1)
-            lse_nH1 = torch.cat([lw_nHW, lc_nHK, sink_nH1], dim=-1).logsumexp(-1, keepdim=True)
+            if lse_TH is None:
+                lw_nHW = _logits(q_THD[rows], kv_RD, window_TW[rows], scale, acc)
+                sink_nH1 = sink_H.to(acc)[None, :, None].expand(lc_nHK.shape[0], -1, 1)
+                lse_nH1 = torch.cat([lw_nHW, lc_nHK, sink_nH1], dim=-1).logsumexp(-1, keepdim=True)
+            else:
+                lse_nH1 = lse_TH[rows].to(acc)[..., None]
             teacher_TK[rows] = torch.exp(lc_nHK - lse_nH1).sum(1)  # mass over (this rank's) heads
         if tp_group is not None:
             dist.all_reduce(teacher_TK, group=tp_group)

@@ -1,0 +1,378 @@
+"""titan_thd's dsv4 vs transformers' DeepseekV4ForCausalLM (eager): forward+backward real tokens/s.
+
+    .venv/bin/python scripts/bench_dsv4_vs_hf.py --json /tmp/dsv4_vs_hf.json      (needs the `hf` extra)
+
+Both sides run the same weights (titan_thd builds the model, `export_hf` writes it, both load that
+directory) on the same documents, in float32:
+- titan_thd: the documents of a microbatch packed into one THD stream of T rows (tail padding),
+  training mode: LM cross-entropy + MTP + the indexer KL, one backward;
+- transformers: the same documents one at a time ([1, L], no padding, the obvious alternative since
+  its model is not document-aware), training mode, LM cross-entropy summed over documents, one
+  backward per document. It computes no MTP and no indexer loss, so it does LESS work than ours.
+A step is forward + backward (no optimizer). Configurations: `tiny` (vocab 320, the byte tokenizer
+size) and `wide` (d = 1024, three layers: sliding, CSA, HCA); document-length distributions: `short`
+(chat-like, lognormal median ~300) and `long` (~4k). Every (configuration, distribution, side) runs
+in its own process, so that its peak RSS (ru_maxrss) is its own; `--rounds` alternates the processes
+and keeps each one's fastest round (on a shared machine other load only ever adds time). The matmul
+peak is measured here too (a large float32 matmul at the same thread count), so MFU = model FLOPs
+(titan_thd.models.dsv4.flops, counted for titan_thd's work) / step time / peak. The main LM losses of
+the two sides are compared (mean per trained token).
+`--breakdown` adds, for titan_thd, the forward+backward time of every module kind (attention, MoE,
+mHC, ...) replayed on the inputs captured during one step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+# A `--before` child imports titan_thd from the older checkout it names (--code-root).
+_ROOT = Path(__file__).resolve().parents[1]
+if "--code-root" in sys.argv:
+    _ROOT = Path(sys.argv[sys.argv.index("--code-root") + 1]).resolve()
+sys.path.insert(0, str(_ROOT))
+
+from titan_thd.data.batch_meta import BatchMeta  # noqa: E402
+from titan_thd.data.packed_batch import IGNORE_INDEX  # noqa: E402
+from titan_thd.data.packer import pack_microbatch  # noqa: E402
+from titan_thd.models.dsv4 import build_dsv4, export_hf, flavors, flops_per_step, load_hf  # noqa: E402
+
+VOCAB = 320
+CONFIGS = {
+    "tiny": dataclasses.replace(flavors["tiny"], vocab_size=VOCAB),
+    "wide": dataclasses.replace(
+        flavors["tiny"],
+        vocab_size=VOCAB,
+        dim=1024,
+        layer_types=("sliding", "csa", "hca"),
+        n_hash_layers=1,
+        n_heads=16,
+        q_lora_rank=512,
+        o_groups=4,
+        o_lora_rank=256,
+        moe_inter_dim=1024,
+    ),
+}
+DISTS = {
+    # name: (median length, lognormal sigma, min, max); max <= the T of the distribution
+    "short": (300, 0.6, 16, 2048),
+    "long": (4000, 0.3, 1024, 8192),
+}
+SIDES = ("titan_thd", "hf", "before")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--configs", default="tiny,wide", help=f"comma list of {sorted(CONFIGS)}")
+    p.add_argument("--dists", default="short,long", help=f"comma list of {sorted(DISTS)}")
+    p.add_argument("--short-tokens", type=int, default=2048, help="T of a `short` microbatch")
+    p.add_argument("--long-tokens", type=int, default=8192, help="T of a `long` microbatch")
+    p.add_argument("--warmup", type=int, default=1, help="microbatches run before timing")
+    p.add_argument("--steps", type=int, default=2, help="timed microbatches")
+    p.add_argument("--rounds", type=int, default=2, help="alternating runs of each side; the best counts")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--breakdown", action="store_true", help="per-module fwd+bwd times of titan_thd")
+    p.add_argument("--json", default="", help="write all figures to this file")
+    p.add_argument(
+        "--before",
+        default="",
+        help="also run titan_thd from this older checkout (e.g. `git worktree add DIR <commit>`), side by side",
+    )
+    # child process mode
+    p.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)
+    p.add_argument("--config", help=argparse.SUPPRESS)
+    p.add_argument("--dist", help=argparse.SUPPRESS)
+    p.add_argument("--weights", help=argparse.SUPPRESS)
+    p.add_argument("--code-root", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+# ============================================================================ data
+@dataclasses.dataclass
+class Document:
+    input_ids: np.ndarray
+    target_mask: np.ndarray
+
+
+def tokens_of(opts: argparse.Namespace, dist: str) -> int:
+    return opts.short_tokens if dist == "short" else opts.long_tokens
+
+
+def microbatches(opts: argparse.Namespace, dist: str) -> list[list[Document]]:
+    """warmup + steps microbatches of seeded lognormal documents, filled in order up to T tokens."""
+    median, sigma, lo, hi = DISTS[dist]
+    T = tokens_of(opts, dist)
+    rng = np.random.default_rng(opts.seed)
+    batches: list[list[Document]] = [[]]
+    while len(batches) <= opts.warmup + opts.steps:
+        n = int(np.clip(rng.lognormal(np.log(median), sigma), lo, min(hi, T)))
+        if sum(len(d.input_ids) for d in batches[-1]) + n > T:
+            batches.append([])
+        batches[-1].append(Document(rng.integers(0, VOCAB, n), np.arange(n) > 0))
+    return batches[:-1]
+
+
+# ============================================================================ one side (child)
+def rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+
+
+def _ours_step(model, batch, meta) -> tuple[torch.Tensor, float, int]:
+    meta.labels_full, meta.loss_mask_full = batch.labels, batch.loss_mask
+    out = model(batch.tokens, meta)
+    labels = torch.where(batch.loss_mask.bool(), batch.labels, IGNORE_INDEX)
+    lm = F.cross_entropy(out.logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    (lm + sum(out.aux_losses.values())).backward()
+    return lm, float(lm), int((labels != IGNORE_INDEX).sum())
+
+
+def _hf_step(model, docs: list[Document]) -> tuple[None, float, int]:
+    total, n = 0.0, 0
+    for d in docs:
+        ids = torch.as_tensor(d.input_ids, dtype=torch.long)[None]
+        logits = model(input_ids=ids).logits[0, :-1]
+        loss = F.cross_entropy(logits.float(), ids[0, 1:], reduction="sum")
+        loss.backward()
+        total, n = total + float(loss), n + ids.shape[1] - 1
+    return None, total, n
+
+
+def breakdown(model, batch, meta, repeats: int = 2) -> dict[str, float]:
+    """Seconds of forward+backward per module kind, replayed on inputs captured during one step."""
+    from titan_thd.models.dsv4.attention import Attention
+    from titan_thd.models.dsv4.mhc import HyperConnection, HyperHead
+    from titan_thd.models.dsv4.moe import MoE
+
+    kinds = {Attention: "attention", MoE: "moe", HyperConnection: "mhc", HyperHead: "mhc"}
+    captured = []
+
+    def hook(mod, args, kwargs):
+        captured.append((mod, args, kwargs))
+
+    handles = [
+        m.register_forward_pre_hook(hook, with_kwargs=True) for m in model.modules() if type(m) in kinds
+    ]
+    model.zero_grad(set_to_none=True)
+    _ours_step(model, batch, meta)
+    for h in handles:
+        h.remove()
+    total = dict.fromkeys(sorted(set(kinds.values())), 0.0)
+
+    def detached(a):
+        if isinstance(a, torch.Tensor) and a.is_floating_point():
+            return a.detach().requires_grad_(True)
+        return a
+
+    for mod, args, kwargs in captured:
+        args = tuple(detached(a) for a in args)
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            out = mod(*args, **kwargs)
+            outs = [o for o in (out if isinstance(out, tuple) else (out,)) if isinstance(o, torch.Tensor)]
+            sum(o.float().square().mean() for o in outs if o.requires_grad).backward()
+            best = min(best, time.perf_counter() - t0)
+        total[kinds[type(mod)]] += best
+    model.zero_grad(set_to_none=True)
+    return total
+
+
+def run_side(opts: argparse.Namespace) -> dict:
+    torch.set_num_threads(opts.threads)
+    torch.manual_seed(opts.seed)
+    docs_per_mb = microbatches(opts, opts.dist)
+    T = tokens_of(opts, opts.dist)
+    ours = opts.side != "hf"
+    if ours:
+        model, _ = load_hf(opts.weights)
+        inputs = [pack_microbatch(docs, T, pad_to_multiple=1, pad_id=0) for docs in docs_per_mb]
+        inputs = [(b, BatchMeta.from_batch(b)) for b in inputs]
+    else:
+        import transformers
+
+        model = transformers.DeepseekV4ForCausalLM.from_pretrained(opts.weights, dtype=torch.float32)
+        inputs = docs_per_mb
+    model.train()
+    setup_mb = rss_mb()
+    elapsed, cpu, real_tokens, losses, first_s = 0.0, 0.0, 0, [], 0.0
+    for i, mb in enumerate(inputs):
+        t0, c0 = time.perf_counter(), time.process_time()
+        _, loss, n = _ours_step(model, *mb) if ours else _hf_step(model, mb)
+        dt, dc = time.perf_counter() - t0, time.process_time() - c0
+        model.zero_grad(set_to_none=True)
+        losses.append(loss / n)
+        if i == 0:
+            first_s = dt
+        if i >= opts.warmup:
+            elapsed += dt
+            cpu += dc
+            real_tokens += sum(len(d.input_ids) for d in docs_per_mb[i])
+    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    out = {
+        "side": opts.side,
+        "tokens_per_s": real_tokens / elapsed,
+        "seconds_per_step": elapsed / opts.steps,
+        # Process CPU time: with --threads 1 on a loaded machine, the work itself (time slicing excluded).
+        "cpu_tokens_per_s": real_tokens / cpu,
+        "first_step_s": first_s,
+        "real_tokens": real_tokens,
+        "peak_mb": peak_mb,
+        "peak_over_setup_kb_per_token": (peak_mb - setup_mb) * 1024 / (real_tokens / opts.steps),
+        "losses": losses,
+        "doc_lengths": [[len(d.input_ids) for d in docs] for docs in docs_per_mb[opts.warmup :]],
+    }
+    if opts.breakdown and ours:
+        out["breakdown_s"] = breakdown(model, *inputs[-1])
+    return out
+
+
+# ============================================================================ main
+def matmul_peak_gflops(threads: int, n: int = 2048, repeats: int = 5) -> float:
+    """Best float32 GEMM rate of this machine at this thread count (GFLOP/s)."""
+    torch.set_num_threads(threads)
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best / 1e9
+
+
+def cpu_name() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
+        for line in out.splitlines():
+            if line.startswith("Model name:"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+def main() -> None:
+    opts = parse_args()
+    if opts.side:
+        print(json.dumps(run_side(opts)))
+        return
+    configs, dists = opts.configs.split(","), opts.dists.split(",")
+    for name, table in (("--configs", configs), ("--dists", dists)):
+        allowed = CONFIGS if table is configs else DISTS
+        bad = [c for c in table if c not in allowed]
+        if bad:
+            sys.exit(f"{name}: unknown {bad}; expected a comma list of {sorted(allowed)}")
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        sys.exit("transformers is missing: install the `hf` extra (./scripts/setup_env.sh test,hf)")
+
+    sides = SIDES if opts.before else SIDES[:2]
+    peaks = []
+    results: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        weights = {}
+        for c in configs:
+            torch.manual_seed(opts.seed)
+            weights[c] = str(export_hf(build_dsv4(CONFIGS[c]), CONFIGS[c], Path(tmp) / c))
+        for _ in range(opts.rounds):
+            peaks.append(matmul_peak_gflops(opts.threads))
+            for c in configs:
+                for d in dists:
+                    for side in sides:
+                        cmd = [sys.executable, __file__, *sys.argv[1:], "--side", side]
+                        cmd += ["--config", c, "--dist", d, "--weights", weights[c]]
+                        if side == "before":
+                            cmd += ["--code-root", opts.before]
+                        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+                        if proc.returncode:
+                            sys.exit(f"{c}/{d}/{side} failed:\n{proc.stderr}")
+                        r = json.loads(proc.stdout.strip().splitlines()[-1])
+                        key = f"{c}/{d}/{side}"
+                        if key not in results or r["tokens_per_s"] > results[key]["tokens_per_s"]:
+                            results[key] = r
+    peak = max(peaks)
+    rows = []
+    for c in configs:
+        for d in dists:
+            ours, hf = results[f"{c}/{d}/titan_thd"], results[f"{c}/{d}/hf"]
+            before = results.get(f"{c}/{d}/before")
+            steps = len(ours["doc_lengths"])
+            fl = flops_per_step(CONFIGS[c], [n for mb in ours["doc_lengths"] for n in mb]) / steps
+            row = {
+                "config": c,
+                "dist": d,
+                "T": tokens_of(opts, d),
+                "docs_per_step": sum(len(mb) for mb in ours["doc_lengths"]) / steps,
+                "real_tokens_per_step": ours["real_tokens"] / steps,
+                "flops_per_step": fl,
+                "loss_max_rel_diff": max(abs(a - b) / abs(b) for a, b in zip(ours["losses"], hf["losses"])),
+                "ours_vs_hf": ours["tokens_per_s"] / hf["tokens_per_s"],
+                "ours_vs_hf_cpu": ours["cpu_tokens_per_s"] / hf["cpu_tokens_per_s"],
+            }
+            for name, r in (("ours", ours), ("hf", hf), ("before", before)):
+                if r is None:
+                    continue
+                row[f"{name}_tokens_per_s"] = r["tokens_per_s"]
+                row[f"{name}_cpu_tokens_per_s"] = r["cpu_tokens_per_s"]
+                row[f"{name}_first_step_s"] = r["first_step_s"]
+                row[f"{name}_peak_mb"] = r["peak_mb"]
+                row[f"{name}_kb_per_token"] = r["peak_over_setup_kb_per_token"]
+                if name != "hf":  # the FLOPs count titan_thd's work (MTP, indexer)
+                    row[f"{name}_mfu"] = fl / r["seconds_per_step"] / (peak * 1e9)
+                if "breakdown_s" in r:
+                    row[f"{name}_breakdown_s"] = r["breakdown_s"]
+            if before is not None:
+                row["ours_vs_before"] = ours["tokens_per_s"] / before["tokens_per_s"]
+                row["before_vs_hf"] = before["tokens_per_s"] / hf["tokens_per_s"]
+                row["ours_vs_before_cpu"] = ours["cpu_tokens_per_s"] / before["cpu_tokens_per_s"]
+            rows.append(row)
+    cpu = cpu_name()
+    print(
+        f"dsv4 titan_thd (packed THD, LM+MTP+indexer KL) vs transformers DeepseekV4ForCausalLM eager "
+        f"(one document at a time, LM only); float32 fwd+bwd, {opts.threads} threads, CPU {cpu!r}, "
+        f"{opts.steps} timed steps after {opts.warmup} warm-up, best of {opts.rounds} rounds; "
+        f"matmul peak {peak:.0f} GFLOP/s; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
+    )
+    names = [n for n in ("ours", "before", "hf") if f"{n}_tokens_per_s" in rows[0]]
+    head = ["config", "dist", "T", "real tok"]
+    head += [f"{n} tok/s" for n in names] + ["ours/hf"] + (["ours/before"] if "before" in names else [])
+    head += ["cpu ours/hf"] + (["cpu ours/bef"] if "before" in names else [])
+    head += [f"{n} MFU" for n in names if n != "hf"] + [f"{n} KB/tok" for n in names] + ["loss rel"]
+    print("".join(f"{h:>12}" for h in head))
+    for r in rows:
+        cells = [r["config"], r["dist"], r["T"], f"{r['real_tokens_per_step']:.0f}"]
+        cells += [f"{r[f'{n}_tokens_per_s']:.0f}" for n in names] + [f"{r['ours_vs_hf']:.2f}x"]
+        cells += [f"{r['ours_vs_before']:.2f}x"] if "before" in names else []
+        cells += [f"{r['ours_vs_hf_cpu']:.2f}x"] + (
+            [f"{r['ours_vs_before_cpu']:.2f}x"] if "before" in names else []
+        )
+        cells += [f"{r[f'{n}_mfu']:.1%}" for n in names if n != "hf"]
+        cells += [f"{r[f'{n}_kb_per_token']:.1f}" for n in names] + [f"{r['loss_max_rel_diff']:.1e}"]
+        print("".join(f"{c:>12}" for c in cells))
+        for n in names:
+            if f"{n}_breakdown_s" in r:
+                parts = ", ".join(f"{k} {v:.3f}" for k, v in r[f"{n}_breakdown_s"].items())
+                print(f"    {n} fwd+bwd by module, replayed (s): {parts}")
+    if opts.json:
+        report = {"cpu": cpu, "threads": opts.threads, "matmul_peak_gflops": peak, "rows": rows}
+        report["raw"] = results
+        Path(opts.json).write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""The fast forms of the dsv4 kernels against their naive forms (float64; docs/dsv4.md §16).
+
+- banded attention (window keys, HCA entry ranges) = per-query gathered keys = dense mask reference,
+  forward and backward, with a CP-like halo, several documents, a partial last block;
+- Sinkhorn with the written-out backward = the plain autograd iteration;
+- the indexer KL from the attention kernel's lse = the KL that recomputes the window logits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from titan_thd.models.dsv4.args import flavors
+from titan_thd.models.dsv4.indexer import Indexer, indexer_kl
+from titan_thd.models.dsv4.mhc import sinkhorn, sinkhorn_reference
+from titan_thd.models.dsv4.sparse_attention import dense_reference, sparse_mqa, window_band, with_entry_range
+
+T, H, D, W, HALO, C = 45, 3, 8, 6, 2, 7
+R = HALO + T
+
+
+def _problem():
+    g = torch.Generator().manual_seed(0)
+    starts = torch.tensor([0, 10, 30])  # three documents
+    doc = torch.bucketize(torch.arange(T), starts, right=True) - 1
+    # BatchPlan.window_TW's form: query t's slot w is key row t + halo - W + 1 + w, or -1 before
+    # the document start (the halo rows before query 0 belong to no document here).
+    row_TW = torch.arange(T)[:, None] + HALO - W + 1 + torch.arange(W)
+    window = torch.where(row_TW - HALO >= starts[doc][:, None], row_TW, -1)
+    start_T = torch.tensor([0, 2, 4])[doc]
+    n_vis_T = torch.randint(0, 3, (T,), generator=g)
+    entries = torch.where(torch.arange(3) < n_vis_T[:, None], start_T[:, None] + torch.arange(3) + R, -1)
+    q = torch.randn(T, H, D, generator=g, dtype=torch.float64, requires_grad=True)
+    kv = torch.randn(R + C, D, generator=g, dtype=torch.float64, requires_grad=True)
+    sink = torch.randn(H, generator=g, dtype=torch.float64, requires_grad=True)
+    return window, start_T, n_vis_T, entries, q, kv, sink
+
+
+@pytest.mark.parametrize("block", [4, 6, 16])
+def test_banded_attention_equals_gathered_and_dense(block):
+    window, start_T, n_vis_T, entries, q, kv, sink = _problem()
+    band = window_band(window, HALO, block, R)
+    listed = band.as_index(T)
+    assert torch.equal(listed[listed >= 0].sort().values, window[window >= 0].sort().values)
+    cases = {
+        "sliding": (window, None, band),
+        "csa": (torch.cat([window, entries], 1), entries, band),
+        "hca": (torch.cat([window, entries], 1), None, with_entry_range(band, start_T, n_vis_T, R, R + C)),
+    }
+    w = torch.randn(T, H, D, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    for kind, (idx_all, idx, b) in cases.items():
+        allowed = torch.zeros(T, R + C, dtype=torch.bool)
+        for t in range(T):
+            allowed[t, idx_all[t][idx_all[t] >= 0]] = True
+        fast, lse_fast = sparse_mqa(q, kv, idx, sink, 0.3, chunk=8, band=b)
+        gathered, lse_gathered = sparse_mqa(q, kv, idx_all, sink, 0.3, chunk=8)
+        dense = dense_reference(q, kv, allowed, sink, 0.3)
+        torch.testing.assert_close(fast, dense, rtol=0, atol=1e-13, msg=kind)
+        torch.testing.assert_close(fast, gathered, rtol=0, atol=1e-13, msg=kind)
+        torch.testing.assert_close(lse_fast, lse_gathered, rtol=0, atol=1e-13, msg=kind)
+        grads = torch.autograd.grad((fast * w).sum(), (q, kv, sink))
+        for ref in (gathered, dense):
+            for a, r in zip(grads, torch.autograd.grad((ref * w).sum(), (q, kv, sink))):
+                torch.testing.assert_close(a, r, rtol=0, atol=1e-12, msg=kind)
+
+
+def test_sinkhorn_backward_equals_autograd():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(50, 4, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    fast, ref = sinkhorn(x, 20, 1e-6), sinkhorn_reference(x, 20, 1e-6)
+    torch.testing.assert_close(fast, ref, rtol=0, atol=1e-14)
+    torch.testing.assert_close(fast.sum(-2), torch.ones(50, 4, dtype=torch.float64), rtol=0, atol=1e-5)
+    w = torch.randn(50, 4, 4, generator=g, dtype=torch.float64)
+    (a,) = torch.autograd.grad((fast * w).sum(), x)
+    (b,) = torch.autograd.grad((ref * w).sum(), x)
+    assert a.abs().max() > 1e-3
+    torch.testing.assert_close(a, b, rtol=0, atol=1e-13)
+
+
+def test_indexer_kl_from_kernel_lse_equals_recomputed():
+    window, _start, _n_vis, entries, q, kv, sink = _problem()
+    _, lse = sparse_mqa(q, kv, entries, sink, 0.3, chunk=8, band=window_band(window, HALO, 4, R))
+    cand = torch.where(entries >= 0, entries - R, -1)
+    student = torch.randn(T, 3, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    common = {
+        "q_THD": q,
+        "kv_RD": kv[:R],
+        "comp_CD": kv[R:],
+        "sink_H": sink,
+        "window_TW": window,
+        "cand_TK": cand,
+        "student_TK": student.masked_fill(cand < 0, -torch.inf),
+        "row_ok_T": torch.ones(T, dtype=torch.bool),
+        "scale": 0.3,
+        "chunk": 8,
+    }
+    ref = indexer_kl(**common)
+    assert ref > 1e-3
+    torch.testing.assert_close(indexer_kl(**common, lse_TH=lse), ref, rtol=1e-13, atol=0)
+
+
+def test_blocked_topk_selection_equals_per_query_reference():
+    """Indexer.select (scores per query block over a shared entry run) picks, for every query, the
+    k best of its own visible entries, ties to the lower entry index, like a per-query loop."""
+    g = torch.Generator().manual_seed(3)
+    lengths, m, HI, Di, k = [37, 130, 3, 90], 4, 2, 8, 5
+    start_T = torch.cat([torch.full((L,), sum(x // m for x in lengths[:i])) for i, L in enumerate(lengths)])
+    pos_T = torch.cat([torch.arange(L) for L in lengths])
+    n_c_T = torch.cat([torch.full((L,), L // m) for L in lengths])
+    plan = SimpleNamespace(start_T=start_T, n_vis_T=torch.minimum((pos_T + 1) // m, n_c_T))
+    q = torch.randn(len(pos_T), HI, Di, generator=g, dtype=torch.float64)
+    q[::7] = 0.0  # all-zero scores: exact ties among every visible entry
+    w = torch.randn(len(pos_T), HI, generator=g, dtype=torch.float64)
+    keys = torch.randn(int(sum(L // m for L in lengths)), Di, generator=g, dtype=torch.float64)
+    indexer = Indexer(
+        dataclasses.replace(
+            flavors["micro"], index_topk=k, index_n_heads=HI, index_head_dim=Di, attn_chunk=64
+        )
+    )
+    got = indexer.select(q, w, keys, plan)
+    for t in range(len(pos_T)):
+        cand = torch.arange(int(start_T[t]), int(start_T[t] + plan.n_vis_T[t]))
+        score = (w[t, :, None] * torch.relu(q[t] @ keys[cand].T)).sum(0) * Di**-0.5
+        order = torch.sort(-score, stable=True).indices[:k]
+        want = sorted(cand[order].tolist())
+        assert sorted(x for x in got[t].tolist() if x >= 0) == want, t
