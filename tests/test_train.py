@@ -110,7 +110,7 @@ def test_attention_cost_weight_reads_the_flops_formula(trainer):
                 "--parallelism.pipeline_parallel_layers_per_stage",
                 "3",
             ],
-            r"layers_per_stage = 3 x pp 2 = 6, but the model has \d+ layers",
+            r"layers_per_stage = 3 x 2 stages = 6, but the model has \d+ layers",
         ),
         (
             "1",

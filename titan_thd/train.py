@@ -16,14 +16,12 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import json
 import logging
 import math
 import os
 import sys
 import time
 import warnings
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -42,18 +40,23 @@ from titan_thd.components.optimizer import (
     clip_grad_norm_,
     default_matrix_params,
 )
-from titan_thd.components.validation import Validator, build_stores, check_path
-from titan_thd.config import Config, help_text, load_config, to_toml, validate, virtual_stages
+from titan_thd.components.validation import Validator, build_stores
+from titan_thd.config import Config, help_text, load_config, to_toml
 from titan_thd.data.batch_meta import BatchMeta, CPContext
 from titan_thd.data.cp_partition import partition
 from titan_thd.data.dataloader import StepBatch, THDDataLoader, build_dataloader
 from titan_thd.data.packed_batch import PackedBatch
 from titan_thd.data.token_store import build_token_store
-from titan_thd.data.tokenizer import Tokenizer, build_tokenizer
-from titan_thd.models import get_model_args, get_model_spec
+from titan_thd.data.tokenizer import Tokenizer
+from titan_thd.inputs import (
+    attention_cost_weight,
+    check_inputs,
+    env_world_size,
+    pipeline_stage_layers,
+)
 from titan_thd.models.spec import ModelSpec, as_dtype, count_params
 from titan_thd.parallel import distributed as dist_utils
-from titan_thd.parallel.context_parallel import resolve_mode, validate_context_parallel
+from titan_thd.parallel.context_parallel import resolve_mode
 from titan_thd.parallel.distributed import DistInfo
 from titan_thd.parallel.fsdp import (
     build_on_meta,
@@ -62,13 +65,9 @@ from titan_thd.parallel.fsdp import (
     materialize_sharded,
 )
 from titan_thd.parallel.parallel_dims import ParallelDims
-from titan_thd.parallel.tensor_parallel import reduce_replicated_grads, validate_tensor_parallel
+from titan_thd.parallel.tensor_parallel import reduce_replicated_grads
 
 logger = logging.getLogger("titan_thd")
-
-# Model config fields that are not model arguments (every other field of [model] that the
-# flavor's args dataclass also has overrides the flavor).
-_NOT_MODEL_ARGS = ("name", "flavor", "hf_path")
 
 
 class Trainer:
@@ -102,7 +101,7 @@ class Trainer:
 
         # Everything a user can get wrong is checked here, before any process group exists.
         fake = cfg.comm.mode == "fake"
-        world_size = _env_world_size("NGPU" if fake else "WORLD_SIZE")
+        world_size = env_world_size("NGPU" if fake else "WORLD_SIZE")
         self.spec, self.tokenizer, self.model_args, self.parallel_dims = check_inputs(cfg, world_size)
         init_from_hf = self.spec.init_from_hf
         pp_layers = pipeline_stage_layers(cfg, self.model_args)  # None without pipeline parallelism
@@ -509,156 +508,6 @@ def progress_line(step: int, last_step: int, recent_step_times: collections.abc.
     )
 
 
-def hf_vocab_size(path: str, tokenizer_vocab: int) -> int:
-    """`vocab_size` of a Hugging Face checkpoint's config.json (it must cover the tokenizer's ids)."""
-    folder, cfg_file = Path(path), Path(path) / "config.json"
-    if not folder.is_dir():
-        raise ValueError(f"model.hf_path = {path!r}: the folder does not exist (or is not a folder)")
-    try:
-        vocab = json.loads(cfg_file.read_text(encoding="utf-8"))["vocab_size"]
-    except FileNotFoundError:
-        raise ValueError(f"model.hf_path = {path!r}: {cfg_file} does not exist") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"model.hf_path: {cfg_file}: invalid JSON: {e}") from None
-    except (KeyError, TypeError):
-        raise ValueError(f"model.hf_path: {cfg_file} has no vocab_size") from None
-    if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1:
-        raise ValueError(f"model.hf_path: {cfg_file}: vocab_size = {vocab!r}, expected a positive integer")
-    if vocab < tokenizer_vocab:
-        raise ValueError(
-            f"model.hf_path: {cfg_file} has vocab_size = {vocab}, fewer rows than the tokenizer's "
-            f"{tokenizer_vocab} ids (data.tokenizer must be the checkpoint's tokenizer)"
-        )
-    return vocab
-
-
-def _env_world_size(name: str) -> int:
-    value = os.environ.get(name, "1")
-    try:
-        world_size = int(value)
-    except ValueError:
-        world_size = 0
-    if world_size < 1:
-        raise ValueError(f"environment variable {name} = {value!r}: expected a positive integer (processes)")
-    return world_size
-
-
-def _check_folder(key: str, value: str, folder: Path, writable: bool = False) -> None:
-    """ValueError when `folder` (created when missing) cannot be one: it or a parent is not a folder."""
-    for p in (folder, *folder.absolute().parents):
-        if not p.exists():
-            continue
-        if not p.is_dir():
-            raise ValueError(f"{key} = {value!r}: {p} exists and is not a folder")
-        if writable and not os.access(p, os.W_OK | os.X_OK):
-            raise ValueError(f"{key} = {value!r}: {p} is not writable")
-        return
-
-
-def check_inputs(cfg: Config, world_size: int) -> tuple[ModelSpec, Tokenizer, Any, ParallelDims]:
-    """(spec, tokenizer, model args, parallel dims) of `cfg` on `world_size` processes: every check that
-    needs no process group, no data and no weights (ValueError naming the field, the value and what is
-    allowed)."""
-    t, p, job = cfg.training, cfg.parallelism, cfg.job
-    validate(cfg)
-    spec = get_model_spec(cfg.model.name)
-    flavor_args = get_model_args(cfg.model.name, cfg.model.flavor)
-    if cfg.model.hf_path and spec.init_from_hf is None:
-        raise ValueError(
-            f"model.hf_path = {cfg.model.hf_path!r}: model {cfg.model.name} cannot be initialised from a "
-            "Hugging Face checkpoint (its ModelSpec has no init_from_hf hook); leave model.hf_path empty"
-        )
-    _check_folder("job.dump_folder", job.dump_folder, Path(job.dump_folder), writable=True)
-    if cfg.data.source != "packed":
-        key = "data.cache_dir" if cfg.data.cache_dir else "job.dump_folder"
-        cache_dir = cfg.data.cache_dir or os.path.join(job.dump_folder, "data_cache")
-        _check_folder(key, cfg.data.cache_dir or job.dump_folder, Path(cache_dir))
-    if cfg.checkpoint.enable:
-        folder = Path(job.dump_folder) / cfg.checkpoint.folder
-        _check_folder("checkpoint.folder", cfg.checkpoint.folder, folder)
-    tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.data.chat_template)
-    knobs = [f for f in dataclasses.fields(cfg.model) if f.name not in _NOT_MODEL_ARGS]
-    model_overrides = {f.name: getattr(cfg.model, f.name) for f in knobs if hasattr(flavor_args, f.name)}
-    # A knob of another model family would otherwise be accepted and silently do nothing.
-    foreign = [f for f in knobs if f.name not in model_overrides and getattr(cfg.model, f.name) != f.default]
-    if foreign:
-        own = ", ".join(f.name for f in knobs if f.name in model_overrides) or "none"
-        raise ValueError(
-            f"model.{foreign[0].name} = {getattr(cfg.model, foreign[0].name)!r}: model {cfg.model.name} has no "
-            f"such setting (its [model] settings: {own}); remove it or use the default {foreign[0].default!r}"
-        )
-    if cfg.model.hf_path:  # the checkpoint fixes the embedding size
-        vocab_size = hf_vocab_size(cfg.model.hf_path, tokenizer.vocab_size)
-    else:  # a multiple of 64 rows (matmul-friendly; the extra ids are never seen)
-        vocab_size = -(-tokenizer.vocab_size // 64) * 64
-    model_args = dataclasses.replace(flavor_args, vocab_size=vocab_size, **model_overrides)
-    if (
-        cfg.model.hf_path and spec.check_hf is not None
-    ):  # config.json only: before any weight is built or read
-        spec.check_hf(model_args, cfg.model.hf_path, f"model.flavor = {cfg.model.flavor!r}")
-    validate_context_parallel(
-        degree=p.context_parallel_degree,
-        configured_mode=p.context_parallel_mode,
-        model=f"{cfg.model.name} {cfg.model.flavor}",
-        model_mode=spec.cp_mode,
-        tokens_per_microbatch=t.tokens_per_microbatch,
-        pad_to_multiple=cfg.data.pad_to_multiple,
-        min_tokens_per_rank=spec.min_tokens_per_cp_rank(model_args),
-    )
-    validate_tensor_parallel(
-        degree=p.tensor_parallel_degree,
-        divides=spec.tp_divides(model_args),
-        tokens_per_cp_rank=t.tokens_per_microbatch // p.context_parallel_degree,
-        model=f"{cfg.model.name} {cfg.model.flavor}",
-    )
-    try:
-        dims = ParallelDims.from_config(p, world_size)
-    except ValueError as e:
-        raise ValueError(
-            f"parallelism (data_parallel_shard_degree {p.data_parallel_shard_degree}, context_parallel_degree "
-            f"{p.context_parallel_degree}, tensor_parallel_degree {p.tensor_parallel_degree}, "
-            f"pipeline_parallel_degree {p.pipeline_parallel_degree}, expert_parallel_degree "
-            f"{p.expert_parallel_degree}) does not fit {world_size} processes: {e}"
-        ) from None
-    dims.check_implemented()
-    check_expert_parallel(p.expert_parallel_degree, model_args, f"{cfg.model.name} {cfg.model.flavor}")
-    pipeline_stage_layers(cfg, model_args)
-    check_path(cfg)
-    if cfg.validation.enable and cfg.validation.compare_padded and spec.padded_forward is None:
-        raise ValueError(f"validation.compare_padded = true: model {cfg.model.name} has no padded forward")
-    return spec, tokenizer, model_args, dims
-
-
-def check_expert_parallel(ep: int, model_args: Any, model: str) -> None:
-    """ep must split the model's routed experts evenly (dp x cp is ParallelDims' check)."""
-    if ep == 1:
-        return
-    n_experts = getattr(model_args, "n_experts", None)
-    if n_experts is None:
-        raise ValueError(
-            f"parallelism.expert_parallel_degree = {ep}: model {model} has no routed experts; use 1"
-        )
-    if n_experts % ep:
-        raise ValueError(
-            f"parallelism.expert_parallel_degree = {ep} does not divide model {model}'s n_experts = "
-            f"{n_experts} (every rank holds n_experts / ep experts)"
-        )
-
-
-def pipeline_stage_layers(cfg: Config, model_args: Any) -> list[list[int]] | None:
-    """Each pipeline stage's layer ids (ValueError for a split the model cannot have); None at pp 1."""
-    p = cfg.parallelism
-    if p.pipeline_parallel_degree == 1:
-        return None
-    return pipeline.stage_layers(
-        model_args.n_layers,
-        p.pipeline_parallel_degree,
-        p.pipeline_parallel_layers_per_stage,
-        p.pipeline_parallel_stage_layers,
-        virtual_stages(p),
-    )
-
-
 def build_loader(
     cfg: Config,
     store,
@@ -713,7 +562,7 @@ def preflight(cfg: Config) -> None:
     into the cache that the run then reuses), the Hugging Face config, the checkpoint to resume.
     run_train.sh runs it before torchrun, so that an input error is one line and not torchrun's failure
     report."""
-    spec, tokenizer, model_args, dims = check_inputs(cfg, _env_world_size("NGPU"))
+    spec, tokenizer, model_args, dims = check_inputs(cfg, env_world_size("NGPU"))
     store = None
     if cfg.data.source != "packed":
         cache_dir = cfg.data.cache_dir or os.path.join(cfg.job.dump_folder, "data_cache")
@@ -738,18 +587,6 @@ def preflight(cfg: Config) -> None:
         finally:
             checkpointer.close()
     logger.info("preflight: inputs of a %d-process run are fine", dims.world_size)
-
-
-def attention_cost_weight(spec: ModelSpec, args: Any) -> float:
-    """Planner weight b of sum(len^2) per unit of tokens, read off the model's FLOPs formula.
-
-    flops(L) = a L + b' L^2 for one document of length L; two lengths give a and b', b = b' / a.
-    """
-    l1, l2 = 1024, 2048
-    f1, f2 = spec.flops_per_step(args, [l1]), spec.flops_per_step(args, [l2])
-    b = (f2 / l2 - f1 / l1) / (l2 - l1)
-    a = f1 / l1 - b * l1
-    return max(0.0, b / a)
 
 
 # What bad input raises (a wrong value, a missing or unreadable file): main() prints it as one
