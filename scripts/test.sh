@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
-# Install titan_thd with the test extra (quick when already installed), then run the whole suite.
-# Extra arguments go to pytest, e.g. ./scripts/test.sh -x -k loss
+# Install titan_thd with the test extra (quick when already installed), then run the suite: every
+# test except the `extended` ones (the heaviest end-to-end parity runs; cheaper tests cover their
+# numerics), on 2 pytest workers (a file stays on one worker: its module fixtures run once).
+#   ./scripts/test.sh              what CI runs (~13 min on 2 cores)
+#   ./scripts/test.sh --extended   everything, the extended parity runs too
+# Other arguments go to pytest, e.g. ./scripts/test.sh -x -k loss
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -9,4 +13,9 @@ VENV="${TITAN_THD_VENV:-$ROOT/.venv}"
 # Lint first: seconds, and a style error fails CI like a test does.
 "$VENV/bin/ruff" check .
 "$VENV/bin/ruff" format --check .
-exec "$VENV/bin/python" -m pytest tests "$@"
+select=(-m "not extended")
+if [[ "${1:-}" == "--extended" ]]; then
+  select=()
+  shift
+fi
+exec "$VENV/bin/python" -m pytest tests -n "${PYTEST_WORKERS:-2}" --dist loadfile "${select[@]}" "$@"

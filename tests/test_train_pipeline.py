@@ -260,6 +260,7 @@ def dsv4_runs(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 @pytest.mark.parametrize("layout", ["pp3", "pp3_from_pp1", "pp2_cp2"])
 def test_dsv4_pipeline_matches_one_process(dsv4_runs, layout):
     """Losses, MTP and indexer terms, gradient norms: the MTP's gradient into the embedding reaches

@@ -39,7 +39,7 @@ from tests.conftest import TRAIN_ARGS
 from titan_thd.config import load_config
 from titan_thd.train import Trainer
 
-pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
+pytestmark = [pytest.mark.filterwarnings("ignore:'set_vital' is deprecated"), pytest.mark.extended]
 STEPS, SPLIT = 5, 3
 MODELS = {
     "llama": ["--model.flavor", _tiny_llama.NAME],

@@ -88,6 +88,7 @@ def test_dp2_cp2_matches_one_process(tmp_path, args, header, keys):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_dsv4_recipe_with_muon_on_dp2_cp2(tmp_path):
     """The recipe's own optimizer (Muon with owner-rank Newton-Schulz + AdamW) under DP 2 x CP 2:
     every step equals one process (float64 parameters; `muon_ns_dtype = auto` then orthogonalises

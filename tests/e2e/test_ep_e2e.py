@@ -116,6 +116,7 @@ def records(dump: Path) -> list[dict]:
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 @pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
 def test_expert_parallel_layouts_match_one_process(tmp_path, monkeypatch, request):
     monkeypatch.setitem(flavors, FLOAT32_FLAVOR, flavors["micro"])

@@ -80,7 +80,7 @@ def grouped_experts(
         # [E, out, in] -> [E, in, out] view: row r of group e gets h_r @ W_e^T. The stacked copy
         # is contiguous, so its strides are 16-byte multiples whenever the widths are multiples
         # of 8 (bfloat16's requirement for F.grouped_mm; every flavor's widths are).
-        w = torch.stack([getattr(e, name).weight for e in experts]).transpose(-2, -1)
+        w = torch.stack([local(getattr(e, name).weight) for e in experts]).transpose(-2, -1)  # TP: the shard
         return grouped_mm(h, w, counts)
 
     gate, up = project(x_ND, "w1"), project(x_ND, "w3")
