@@ -525,12 +525,12 @@ def test_debug_switch_shows_the_traceback(case_dir, monkeypatch):
 
 def test_a_bug_keeps_its_traceback(case_dir, monkeypatch):
     """Only user errors become one line: anything else (a bug) propagates with its traceback."""
-    from titan_thd import train
+    from titan_thd import inputs
 
     def broken(*args, **kwargs):
         raise KeyError("a bug")
 
-    monkeypatch.setattr(train, "build_tokenizer", broken)
+    monkeypatch.setattr(inputs, "build_tokenizer", broken)
     with pytest.raises(KeyError, match="a bug"):
         main([_format(a, case_dir) for a in BASE])
 
