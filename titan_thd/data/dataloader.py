@@ -77,6 +77,25 @@ class _Steps(torch.utils.data.Dataset):
             step, self.global_batch_size, self.num_samples, self.seed, self.shuffle
         )
 
+    def plan_and_pack(self, lengths: np.ndarray, sample, pad_id: int):
+        """(plan of the step's documents over dp x cp, this replica's packed microbatches); `sample(p)`
+        is the step's p-th document. For the sources planned every step (they set planner, cp_size,
+        pad_to_multiple, cost_attention and microbatch_group)."""
+        plan = make_plan(
+            self.planner,
+            padded_lengths(lengths, self.pad_to_multiple),
+            self.dp_size,
+            self.cp_size,
+            self.T,
+            self.cost_attention,
+            self.microbatch_group,
+        )
+        mine = [
+            pack_microbatch([sample(p) for p in mb], self.T, self.pad_to_multiple, pad_id)
+            for mb in plan.microbatches[self.dp_rank]
+        ]
+        return plan, mine
+
 
 class PlannedSteps(_Steps):
     """Samples of a TokenStore planned into microbatches every step."""
@@ -101,19 +120,7 @@ class PlannedSteps(_Steps):
     def __getitem__(self, step: int) -> StepBatch:
         ids = self.sample_ids(step)
         lengths = self.store.lengths[ids]
-        plan = make_plan(
-            self.planner,
-            padded_lengths(lengths, self.pad_to_multiple),
-            self.dp_size,
-            self.cp_size,
-            self.T,
-            self.cost_attention,
-            self.microbatch_group,
-        )
-        mine = [
-            pack_microbatch([self.store[ids[p]] for p in mb], self.T, self.pad_to_multiple, self.store.pad_id)
-            for mb in plan.microbatches[self.dp_rank]
-        ]
+        plan, mine = self.plan_and_pack(lengths, lambda p: self.store[ids[p]], self.store.pad_id)
         return StepBatch(
             step=step,
             microbatches=mine,
@@ -226,24 +233,9 @@ class RepackedSteps(_Steps):
                 )
             docs, lengths = docs[keep], lengths[keep]
         lengths = np.minimum(lengths, self.T)
-        plan = make_plan(
-            self.planner,
-            padded_lengths(lengths, self.pad_to_multiple),
-            self.dp_size,
-            self.cp_size,
-            self.T,
-            self.cost_attention,
-            self.microbatch_group,
+        plan, mine = self.plan_and_pack(
+            lengths, lambda p: self.rows.doc(int(docs[p]), self.T), self.rows.pad_id
         )
-        mine = [
-            pack_microbatch(
-                [self.rows.doc(int(docs[p]), self.T) for p in mb],
-                self.T,
-                self.pad_to_multiple,
-                self.rows.pad_id,
-            )
-            for mb in plan.microbatches[self.dp_rank]
-        ]
         return StepBatch(
             step=step,
             microbatches=mine,
