@@ -78,7 +78,7 @@ def _a2a_body(rank: int, world: int, tokens: int) -> list[dict]:
         g = torch.Generator().manual_seed(rank)
         x = torch.randn(tokens, args.dim, generator=g)
         sent[0] = 0
-        moe(x, None, torch.ones(tokens, dtype=torch.bool))
+        moe(x, torch.zeros(tokens, dtype=torch.long), torch.ones(tokens, dtype=torch.bool))
         analytic = 2 * tokens * args.n_activated_experts * (ep - 1) / ep * args.dim * 4
         results.append({"ep": ep, "bytes_sent_per_layer": sent[0], "analytic_bytes": analytic})
     return results
