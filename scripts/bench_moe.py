@@ -2,7 +2,10 @@
 
 grouped vs loop  forward + backward of the routed experts (rows sorted by expert, uniform random
                  routing, float32, one thread), best of `--reps`, in µs per token, at the `tiny`
-                 flavor and at a Flash-shaped width (d 4096, F 2048) with few experts so it fits.
+                 flavor and at a Flash-shaped width (d 4096, F 2048) with few experts so it fits;
+                 each also as a fraction of the one-thread float32 matmul peak (a square 2048
+                 matmul timed here), counting 3 projections x (forward + 2 backward) matmuls of
+                 2 N k d F flops each: a form near the peak cannot be made much faster.
 all-to-all       one dsv4 MoE layer (`tiny`, float32) on 4 gloo processes in ep groups of
                  1, 2 and 4: bytes each rank sends to other ranks per layer, counted at the two
                  row all-to-alls (dispatch and combine; the backward sends as much again), vs
@@ -31,7 +34,21 @@ from titan_thd.parallel import expert_parallel
 from titan_thd.parallel.spawn import spawn
 
 
-def time_experts(dim: int, hidden: int, n_experts: int, k: int, tokens: int, reps: int) -> dict:
+def matmul_peak_gflops(reps: int = 5, n: int = 2048) -> float:
+    """Best float32 square-matmul GFLOP/s on the current threads."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    torch.matmul(a, b)
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        torch.matmul(a, b)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best / 1e9
+
+
+def time_experts(
+    dim: int, hidden: int, n_experts: int, k: int, tokens: int, reps: int, peak_gflops: float
+) -> dict:
     torch.manual_seed(0)
     args = dataclasses.replace(flavors["tiny"], dim=dim, moe_inter_dim=hidden, n_experts=n_experts)
     experts = list(MoE(args, hash_routed=False).experts.values())
@@ -51,6 +68,7 @@ def time_experts(dim: int, hidden: int, n_experts: int, k: int, tokens: int, rep
             fn().backward(grad)
             best = min(best, time.perf_counter() - t0)
         out[f"{name}_us_per_token"] = best / tokens * 1e6
+        out[f"{name}_peak_frac"] = 3 * 3 * 2 * rows * dim * hidden / best / 1e9 / peak_gflops
     out["speedup"] = out["loop_us_per_token"] / out["grouped_us_per_token"]
     return {"dim": dim, "hidden": hidden, "experts": n_experts, "k": k, "tokens": tokens} | out
 
@@ -92,19 +110,29 @@ def main() -> None:
     cli = parser.parse_args()
     torch.set_num_threads(1)
     tiny = flavors["tiny"]
+    peak = matmul_peak_gflops()
     report = {
+        "matmul_peak_gflops_1thread": peak,
         "grouped_vs_loop": [
             time_experts(
-                tiny.dim, tiny.moe_inter_dim, tiny.n_experts, tiny.n_activated_experts, cli.tokens, cli.reps
+                tiny.dim,
+                tiny.moe_inter_dim,
+                tiny.n_experts,
+                tiny.n_activated_experts,
+                cli.tokens,
+                cli.reps,
+                peak,
             ),
-            time_experts(4096, 2048, 4, 2, 128, max(1, cli.reps // 2)),  # Flash widths, 4 experts
+            time_experts(4096, 2048, 4, 2, 128, max(1, cli.reps // 2), peak),  # Flash widths, 4 experts
         ],
         "all_to_all": spawn(_a2a_body, 4, cli.tokens)[0],
     }
     for row in report["grouped_vs_loop"]:
         print(
             f"d {row['dim']} F {row['hidden']} E {row['experts']}: loop {row['loop_us_per_token']:.1f} µs/token, "
-            f"grouped {row['grouped_us_per_token']:.1f} µs/token ({row['speedup']:.2f}x)"
+            f"grouped {row['grouped_us_per_token']:.1f} µs/token ({row['speedup']:.2f}x); "
+            f"of the {peak:.0f} GFLOP/s matmul peak: loop {row['loop_peak_frac']:.0%}, "
+            f"grouped {row['grouped_peak_frac']:.0%}"
         )
     for row in report["all_to_all"]:
         print(

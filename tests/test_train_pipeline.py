@@ -288,9 +288,10 @@ def test_fake_mode_dry_run_prints_every_stage(tmp_path):
     """COMM_MODE=fake with pp 2 x dp 4: one line per stage; the stages' parameters add up to the
     model's, each rank holds a quarter of its stage (the debug model's dimensions divide by 4)."""
     from tests.e2e.test_train_cli import CONFIG, SMALL, run_train
-    from titan_thd.models import get_model_args
+    from titan_thd.models import get_model_args, get_model_spec
     from titan_thd.models.llama.model import build_llama
     from titan_thd.models.spec import count_params
+    from titan_thd.pipeline import activations
 
     proc = run_train(
         "--config",
@@ -318,3 +319,12 @@ def test_fake_mode_dry_run_prints_every_stage(tmp_path):
     per_stage = [int(s[3].replace(",", "")) for s in stages]
     assert sum(per_stage) == full
     assert [int(s[4].replace(",", "")) * 4 for s in stages] == per_stage
+    # Saved activations: 1F1B keeps 2 microbatches in flight on stage 0, 1 on stage 1, each worth
+    # the stage's measured bytes for one microbatch of T = 1024 tokens.
+    saved = activations.measure(get_model_spec("llama"), args, 1024, torch.float32)
+    shown = [float(x) for x in re.findall(r"saved activations <= \d x ([\d.]+) MiB", proc.stderr)]
+    want = [
+        saved.of([str(i) for i in range(4)], True, False),
+        saved.of([str(i) for i in range(4, 8)], False, True),
+    ]
+    assert shown == [round(w / 2**20, 1) for w in want]

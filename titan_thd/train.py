@@ -437,6 +437,13 @@ class Trainer:
                 as_dtype(c.training.dtype),
                 c.optimizer.name,
                 self.spec.matrix_params or default_matrix_params,
+                pipeline.activations.estimate(
+                    self.spec,
+                    self.model_args,
+                    c.training.tokens_per_microbatch // d.cp,
+                    as_dtype(c.training.dtype),
+                    narrow_ok=self.dist.fake,  # minutes of CPU for a Flash-sized model
+                ),
             ):
                 logger.info("%s", line)
         muon_opt = next((o for o in self.optimizers.optimizers if isinstance(o, Muon)), None)

@@ -15,10 +15,13 @@ neighbouring stages is one fixed-shape tensor per microbatch and direction:
     pipe = PipelineSchedule(chunks, rank, pp, pp_group, "1F1B", shape, dtype, device)
     ce_sum, aux_sums = pipe.step(inputs, num_trained)                   # sums over all stages
 
+activations.py measures what a stage keeps per in-flight microbatch (the dry run's memory lines).
+
 This package sits beside `parallel/` rather than in it because it imports the loss and the batch
 metadata (components, data), which `parallel/` must not.
 """
 
+from titan_thd.pipeline import activations
 from titan_thd.pipeline.schedule import (
     SCHEDULES,
     Action,
@@ -39,6 +42,7 @@ from titan_thd.pipeline.split import (
 )
 
 __all__ = [
+    "activations",
     "SCHEDULES",
     "Action",
     "PipelineSchedule",

@@ -19,12 +19,15 @@ import collections
 import copy
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from titan_thd.config import parse_stage_layers
+
+if TYPE_CHECKING:
+    from titan_thd.pipeline.activations import SavedBytes
 
 # Top-level modules of each model family that live on the first / the last stage only.
 _FIRST = {"llama": ("tok_embeddings",), "dsv4": ("embed",)}
@@ -149,10 +152,13 @@ def stage_summary(
     dtype: torch.dtype,
     optimizer: str = "adamw",
     matrix_params: Callable[[nn.Module], list[str]] | None = None,
+    saved: SavedBytes | None = None,
 ) -> list[str]:
     """One line per pipeline rank for the log header: its stages' layers, parameters, estimated
-    memory per rank and the most microbatches whose boundary input it keeps alive at once (from
-    the schedule's timetable). Built on the meta device: no memory, any size."""
+    memory per rank, the most microbatches whose boundary input it keeps alive at once (from the
+    schedule's timetable) and, given the measured saved-activation bytes per layer (`saved`), the
+    activation memory of that many in-flight microbatches. Built on the meta device: no memory,
+    any size."""
     from titan_thd.parallel.fsdp import estimate_memory_per_rank  # fsdp imports parallel_dims
     from titan_thd.pipeline.schedule import max_in_flight
 
@@ -176,8 +182,20 @@ def stage_summary(
         k = 4 * pp * virtual  # beyond this K the 1F1B-type schedules keep no more in flight
         n = "K" if schedule == "GPipe" else str(max_in_flight(schedule, pp, virtual, rank, k))
         flight = f"<= {n} x {boundary:.2f} MiB" + ("" if n == "K" else f" = {int(n) * boundary:.2f} MiB")
-        lines.append(
+        line = (
             f"pp rank {rank}: layers {ids}, {sum(p.numel() for p in part.parameters()):,} parameters; "
             f"{mem}; in-flight microbatch inputs {flight} (boundary {list(shape)}, {schedule})"
         )
+        if saved is not None:  # the rank's largest chunk, once per in-flight (chunk, microbatch)
+            chunk = max(
+                saved.of([str(i) for i in layers[s]], s == 0, s == len(layers) - 1)
+                for s in range(rank, len(layers), pp)
+            )
+            total = "" if n == "K" else f" = {_size(int(n) * chunk)}"
+            line += f"; saved activations <= {n} x {_size(chunk)}{total}"
+        lines.append(line)
     return lines
+
+
+def _size(n_bytes: float) -> str:
+    return f"{n_bytes / 2**30:.2f} GiB" if n_bytes >= 2**30 else f"{n_bytes / 2**20:.1f} MiB"

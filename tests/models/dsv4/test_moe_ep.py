@@ -84,6 +84,33 @@ def test_grouped_experts_bfloat16_close_to_float64():
     assert (got.double() - ref).norm() / ref.norm() < 3e-2
 
 
+def test_grouped_experts_keep_no_stacked_weights_for_the_backward():
+    """What the forward saves for the backward is rows, not experts: besides references to the
+    weights themselves, the saved bytes do not grow with the number of experts (the stacked
+    [E, in, out] copy the grouped kernel reads is transient)."""
+
+    def saved_bytes(n_experts: int) -> int:
+        experts = [e.float() for e in _experts(n_experts)]
+        weights = {p.untyped_storage().data_ptr() for e in experts for p in e.parameters()}
+        counts = [5, 0, 3] + [0] * (n_experts - 3)
+        x = torch.randn(sum(counts), D, requires_grad=True)
+        seen: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in weights:
+                seen[storage.data_ptr()] = storage.nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            grouped_experts(x, counts, experts, ARGS.swiglu_limit).sum().backward()
+        return sum(seen.values())
+
+    few, many = saved_bytes(4), saved_bytes(32)
+    one_expert = 3 * D * ARGS.moe_inter_dim * 4
+    assert few == many and few < one_expert, (few, many, one_expert)
+
+
 # ------------------------------------------------------------------ expert-parallel dispatch (gloo)
 EP = 2
 T = 6  # tokens per rank (rank 1 of the hash case has none)

@@ -7,6 +7,8 @@ export_hf(model, args, "out_dir")                      # loadable by transformer
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -34,6 +36,28 @@ def update_router_bias(model: nn.Module, reduce_group: torch.distributed.Process
         gate.update_bias(reduce_group)
 
 
+_WIDTHS = ("dim", "head_dim", "rope_dim", "q_lora_rank", "o_lora_rank", "index_head_dim", "moe_inter_dim")
+
+
+def narrow(args: DSv4Args, f: int) -> tuple[DSv4Args, list[int]]:
+    """A copy with every width / f and one layer per (attention type, routing) kind, for measuring
+    activation memory (pipeline/activations.py), and the copy's layer for every layer of `args`.
+    Counts stay (heads, windows, top-k, routed experts per token); the expert count drops to 8 at
+    most: experts are weights, and only the router's [T, E] scores depend on it."""
+    if any(getattr(args, w) % f for w in _WIDTHS) or args.rope_dim // f % 2:
+        raise ValueError(f"dsv4: widths {[getattr(args, w) for w in _WIDTHS]} do not narrow by {f}")
+    kinds = [(t, i < args.n_hash_layers) for i, t in enumerate(args.layer_types)]
+    unique = sorted(set(kinds), key=lambda kind: (not kind[1], kinds.index(kind)))  # hash layers first
+    narrowed = dataclasses.replace(
+        args,
+        **{w: getattr(args, w) // f for w in _WIDTHS},
+        layer_types=tuple(t for t, _ in unique),
+        n_hash_layers=sum(hashed for _, hashed in unique),
+        n_experts=max(args.n_activated_experts, min(args.n_experts, 8)),
+    )
+    return narrowed, [unique.index(kind) for kind in kinds]
+
+
 spec = ModelSpec(
     name="dsv4",
     flavors=flavors,
@@ -48,6 +72,7 @@ spec = ModelSpec(
     check_hf=check_hf,
     padded_forward=per_document_logits,
     after_optimizer_step=update_router_bias,
+    narrow=narrow,
 )
 
 __all__ = [

@@ -9,12 +9,13 @@ normalised to sum 1, times `route_scale`. Experts and the one shared expert are 
 (gate <= limit, |up| <= limit). Expert weights are per-expert 2-D matrices (Muon orthogonalises
 each expert separately), named like the reference checkpoint (`experts.<e>.w1`).
 
-Routed experts run as one grouped matrix product per projection (`grouped_experts`): the rows are
-sorted by expert and each projection's weights are stacked to [E, out, in] for `F.grouped_mm`. Why the
-weights stay per-expert 2-D parameters rather than stacked ones: checkpoint and HF names, DCP
-resharding across expert-parallel degrees (a key is one expert, owned by one ep rank) and Muon's
-per-matrix Newton-Schulz all stay as they are; the price is one copy of the local experts'
-weights per projection and forward (memory-bound, small next to the matmuls). With expert
+Routed experts run as one grouped matrix product per projection (`grouped_experts`, through
+ops/grouped_linear.py): the rows are sorted by expert and each projection's weights are stacked to
+[E, in, out] for `F.grouped_mm`. Why the weights stay per-expert 2-D parameters rather than stacked
+ones: checkpoint and HF names, DCP resharding across expert-parallel degrees (a key is one expert,
+owned by one ep rank) and Muon's per-matrix Newton-Schulz all stay as they are; the price is a
+transient copy of the local experts' weights per projection in the forward and again in the
+backward (never saved between them). On a CPU that copy costs time at Flash widths (scripts/bench_moe.py). With expert
 parallelism (`experts` holds only this rank's E / ep experts, keyed by global id) the rows travel
 to their experts' ranks and back by all-to-all (parallel/expert_parallel.py).
 """
@@ -27,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from titan_thd.models.dsv4.args import DSv4Args
+from titan_thd.ops.grouped_linear import grouped_linear
 from titan_thd.parallel.tensor_parallel import local
 
 
@@ -48,25 +50,6 @@ class Expert(nn.Module):
         return F.linear(F.silu(gate) * up, local(self.w2.weight))
 
 
-def grouped_mm(h_NI: torch.Tensor, w_EIO: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    """Rows of `h_NI` grouped by expert (counts[e] rows each) times their expert's [in, out] matrix.
-
-    `F.grouped_mm` takes float32 / bfloat16 / float16 only; float64 (the parity runs) goes through
-    one batched matmul over the groups padded to the largest: the same per-row dot products.
-    """
-    if h_NI.dtype in (torch.float32, torch.bfloat16, torch.float16):
-        offs = torch.tensor(counts, device=h_NI.device).cumsum(0).to(torch.int32)
-        return F.grouped_mm(h_NI, w_EIO, offs=offs)
-    width = max(counts)
-    sizes = torch.tensor(counts, device=h_NI.device)
-    group = torch.repeat_interleave(torch.arange(len(counts), device=h_NI.device), sizes)
-    starts = torch.cumsum(sizes, 0) - sizes
-    slot = group * width + torch.arange(h_NI.shape[0], device=h_NI.device) - starts[group]
-    padded = h_NI.new_zeros(len(counts) * width, h_NI.shape[1]).index_copy(0, slot, h_NI)
-    out = torch.bmm(padded.view(len(counts), width, -1), w_EIO)
-    return out.view(len(counts) * width, -1)[slot]
-
-
 def grouped_experts(
     x_ND: torch.Tensor, counts: list[int], experts: list[Expert], limit: float
 ) -> torch.Tensor:
@@ -77,11 +60,7 @@ def grouped_experts(
         return x_ND * 0
 
     def project(h: torch.Tensor, name: str) -> torch.Tensor:
-        # [E, out, in] -> [E, in, out] view: row r of group e gets h_r @ W_e^T. The stacked copy
-        # is contiguous, so its strides are 16-byte multiples whenever the widths are multiples
-        # of 8 (bfloat16's requirement for F.grouped_mm; every flavor's widths are).
-        w = torch.stack([local(getattr(e, name).weight) for e in experts]).transpose(-2, -1)  # TP: the shard
-        return grouped_mm(h, w, counts)
+        return grouped_linear(h, counts, [local(getattr(e, name).weight) for e in experts])  # TP: the shard
 
     gate, up = project(x_ND, "w1"), project(x_ND, "w3")
     if limit > 0:

@@ -1,9 +1,23 @@
 """Dense Llama-style GQA transformer on packed THD microbatches."""
 
+import dataclasses
+
 from titan_thd.models.llama.args import LlamaArgs, flavors, flops_per_step
 from titan_thd.models.llama.model import Llama, build_llama, padded_logits
 from titan_thd.models.llama.parallelize import parallelize_llama, tp_divides
 from titan_thd.models.spec import ModelSpec
+
+
+def narrow(args: LlamaArgs, f: int) -> tuple[LlamaArgs, list[int]]:
+    """Widths / f and two layers (the first saves the RoPE tables every layer reads; the others are
+    alike), for measuring activation memory."""
+    if args.dim % f or args.ffn_hidden_dim % f:
+        raise ValueError(f"llama: dim {args.dim} / ffn_hidden_dim {args.ffn_hidden_dim} do not narrow by {f}")
+    narrowed = dataclasses.replace(
+        args, dim=args.dim // f, ffn_hidden_dim=args.ffn_hidden_dim // f, n_layers=min(2, args.n_layers)
+    )
+    return narrowed, [min(i, 1) for i in range(args.n_layers)]
+
 
 spec = ModelSpec(
     name="llama",
@@ -15,6 +29,7 @@ spec = ModelSpec(
     parallelize=parallelize_llama,
     padded_forward=padded_logits,
     tp_divides=tp_divides,
+    narrow=narrow,
 )
 
 __all__ = ["Llama", "LlamaArgs", "build_llama", "flavors", "flops_per_step", "parallelize_llama", "spec"]
