@@ -32,7 +32,7 @@ from titan_thd.components import hardware
 from titan_thd.components.checkpoint import CheckpointError, CheckpointManager, model_fingerprint
 from titan_thd.components.loss import cross_entropy_sum, loss_context
 from titan_thd.components.lr_scheduler import LRSchedulersContainer
-from titan_thd.components.metrics import MetricsLogger, peak_tflops_per_rank, step_metrics
+from titan_thd.components.metrics import MetricsLogger, StepTimer, peak_tflops_per_rank, step_metrics
 from titan_thd.components.muon import Muon
 from titan_thd.components.optimizer import (
     OptimizersContainer,
@@ -214,6 +214,7 @@ class Trainer:
         dist_utils.barrier()
         self.metrics = MetricsLogger(cfg.metrics, cfg.job.dump_folder, enabled=self.dist.is_main)
         self._recent_step_times: collections.deque[float] = collections.deque(maxlen=10)
+        self.timer = StepTimer(self.dist.device)
         self._log_header()
 
     # ------------------------------------------------------------------ checkpointed state
@@ -262,35 +263,24 @@ class Trainer:
         num_trained = max(1, step_batch.trained_tokens)
         ce_sum = torch.zeros((), dtype=torch.float64, device=self.dist.device)
         aux_sums: dict[str, torch.Tensor] = {}
-        if self.pipeline is not None:  # sums over all stages; the schedule runs every microbatch
-            inputs = [self.local_inputs(mb) for mb in step_batch.microbatches]
-            ce_sum, aux_sums = self.pipeline.step(inputs, num_trained)
-        else:
-            for microbatch in step_batch.microbatches:
-                ce, aux = self.forward_backward(microbatch, num_trained)
-                ce_sum += ce
-                for k, v in aux.items():
-                    aux_sums[k] = aux_sums.get(k, 0) + v.double()
-            reduce_replicated_grads(self.model)  # TP: parameters used on each rank's rows / heads
-        ep_mesh = self.parallel_dims.get_optional_mesh("ep")  # experts: each counted on its own rank
-        ep_group = None if ep_mesh is None else ep_mesh.get_group()
-        if self.pipeline is None:
-            grad_norm = clip_grad_norm_(
-                self.model.parameters(), self.cfg.training.max_norm, ep_group=ep_group
-            )
-        else:  # over every stage; the tied copies count once
-            grad_norm = clip_grad_norm_(
-                self.pipeline.norm_params(),
-                self.cfg.training.max_norm,
-                pp_group=self.pipeline.group,
-                also_scale=[q for q in self.pipeline.tied if not self.pipeline.is_first],
-                ep_group=ep_group,
-            )
-        # The other data/context-parallel ranks hold the rest of the step's token sums.
-        loss_mesh = self.parallel_dims.get_optional_mesh("loss")
-        losses = {"loss": dist_utils.dist_sum(ce_sum, loss_mesh) / num_trained}
-        losses |= {k: dist_utils.dist_sum(v, loss_mesh) / num_trained for k, v in aux_sums.items()}
-        result = {"grad_norm": float(grad_norm)} | {k: float(v) for k, v in losses.items()}
+        with self.timer.phase("forward_backward"):
+            if self.pipeline is not None:  # sums over all stages; the schedule runs every microbatch
+                inputs = [self.local_inputs(mb) for mb in step_batch.microbatches]
+                ce_sum, aux_sums = self.pipeline.step(inputs, num_trained)
+            else:
+                for microbatch in step_batch.microbatches:
+                    ce, aux = self.forward_backward(microbatch, num_trained)
+                    ce_sum += ce
+                    for k, v in aux.items():
+                        aux_sums[k] = aux_sums.get(k, 0) + v.double()
+                reduce_replicated_grads(self.model)  # TP: parameters used on each rank's rows / heads
+        with self.timer.phase("comm"):
+            grad_norm = self.clip_gradients()
+            # The other data/context-parallel ranks hold the rest of the step's token sums.
+            loss_mesh = self.parallel_dims.get_optional_mesh("loss")
+            losses = {"loss": dist_utils.dist_sum(ce_sum, loss_mesh) / num_trained}
+            losses |= {k: dist_utils.dist_sum(v, loss_mesh) / num_trained for k, v in aux_sums.items()}
+            result = {"grad_norm": float(grad_norm)} | {k: float(v) for k, v in losses.items()}
         # Global values, the same on every rank: all ranks stop here together, and a bad step
         # never reaches the weights, the optimizer state or a checkpoint. (A fake-process-group dry
         # run computes on garbage collectives: its numbers mean nothing.)
@@ -302,12 +292,27 @@ class Trainer:
                 "step (the newest checkpoint is the last good state); lower optimizer.lr or check the data"
             )
         lr = self.lr_schedulers.current_lr
-        self.optimizers.step()
-        self.lr_schedulers.step()
-        after_step = self.spec.after_optimizer_step
-        if after_step is not None:
-            after_step(self.model, None if loss_mesh is None else loss_mesh.get_group())
+        with self.timer.phase("optimizer"):
+            self.optimizers.step()
+            self.lr_schedulers.step()
+            after_step = self.spec.after_optimizer_step
+            if after_step is not None:
+                after_step(self.model, None if loss_mesh is None else loss_mesh.get_group())
         return result | {"lr": lr}
+
+    def clip_gradients(self) -> torch.Tensor:
+        """Clip to training.max_norm over the whole model; returns the global norm before clipping."""
+        ep_mesh = self.parallel_dims.get_optional_mesh("ep")  # experts: each counted on its own rank
+        ep_group = None if ep_mesh is None else ep_mesh.get_group()
+        if self.pipeline is None:
+            return clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm, ep_group=ep_group)
+        return clip_grad_norm_(  # over every stage; the tied copies count once
+            self.pipeline.norm_params(),
+            self.cfg.training.max_norm,
+            pp_group=self.pipeline.group,
+            also_scale=[q for q in self.pipeline.tied if not self.pipeline.is_first],
+            ep_group=ep_group,
+        )
 
     def log(
         self, step_batch: StepBatch, result: dict[str, float], step_time: float, wall_time: float
@@ -331,6 +336,7 @@ class Trainer:
                 world_size=self.dist.world_size,
                 peak_tflops=self.peak_tflops,
                 aux_losses=aux,
+                phase_times=self.timer.pop(),
             )
             | val
         )
@@ -353,7 +359,8 @@ class Trainer:
         start = time.perf_counter()
         while self.step < self.cfg.training.steps:
             t0 = time.perf_counter()
-            step_batch = self.next_step_batch()
+            with self.timer.phase("data"):
+                step_batch = self.next_step_batch()
             self.step += 1  # counts completed optimizer steps: 1 is the first
             result = self.train_step(step_batch)
             self.tokens_seen += step_batch.real_tokens

@@ -22,6 +22,10 @@ REQUIRED_KEYS = {
     "num_microbatches",
     "imbalance",
     "wall_time",
+    "time/data",
+    "time/forward_backward",
+    "time/comm",
+    "time/optimizer",
 }
 
 
@@ -42,6 +46,7 @@ def _record(step=3, **kw):
         "world_size": 2,
         "peak_tflops": 4.0,
         "aux_losses": {"mtp": 0.25},
+        "phase_times": {"data": 0.25, "forward_backward": 1.5, "comm": 0.0625, "optimizer": 0.125},
     }
     args.update(kw)
     return M.step_metrics(**args)
@@ -65,8 +70,25 @@ def test_step_metrics_worked_values():
         "pad 26.8%",
         "mfu 50.0%",
         "mb 2",
+        "2.00s (data 0.25 fwd+bwd 1.50 comm 0.06 opt 0.12)",
     ):
         assert piece in line
+
+
+def test_step_timer_adds_up_each_phase_and_starts_afresh(monkeypatch):
+    clock = iter([0.0, 1.0, 1.0, 3.5, 4.0, 4.25, 10.0, 10.5])
+    monkeypatch.setattr(M.time, "perf_counter", lambda: next(clock))
+    timer = M.StepTimer(torch.device("cpu"))
+    with timer.phase("forward_backward"):
+        pass
+    with timer.phase("forward_backward"):
+        pass
+    with timer.phase("data"):
+        pass
+    assert timer.pop() == {"data": 0.25, "forward_backward": 3.5, "comm": 0.0, "optimizer": 0.0}
+    with timer.phase("optimizer"):
+        pass
+    assert timer.pop() == {"data": 0.0, "forward_backward": 0.0, "comm": 0.0, "optimizer": 0.5}
 
 
 def test_logger_writes_jsonl_and_tensorboard(tmp_path, caplog):

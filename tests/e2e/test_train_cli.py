@@ -70,6 +70,9 @@ def test_twenty_steps_loss_falls_and_outputs_exist(run20):
     last = sum(r["loss"] for r in recs[-3:]) / 3
     assert last < first - 1.0, (first, last)  # bytes: ~6 at init; the chat format is learnt fast
     assert all(0 <= r["padding_frac"] < 1 and r["tps"] > 0 and r["num_microbatches"] >= 1 for r in recs)
+    for r in recs:  # the phases lie inside the step, one after another
+        phases = [r[f"time/{p}"] for p in ("data", "forward_backward", "comm", "optimizer")]
+        assert min(phases) >= 0 and r["time/forward_backward"] > 0 and sum(phases) <= r["step_time"], r
     assert list((dump / "tb").glob("events.out.tfevents.*"))
     assert "step    20  loss" in proc.stdout + proc.stderr  # console line of the last step
 

@@ -12,6 +12,12 @@ Definitions (docs/design.md §3.6). Token counts are global (all data-parallel r
                   matmul peak of the compute dtype divided by the ranks that share a CPU
     imbalance     slowest replica's planner cost / mean cost (1.0 = perfectly balanced)
     step_time     seconds of this step; wall_time: seconds since training started
+    time/<phase>  seconds of the step's phases (sum = step_time up to the logging in between):
+                  data (the dataloader's next step), forward_backward (every microbatch, with the
+                  collectives inside it: FSDP gathers and reduce-scatters, CP, EP, PP sends),
+                  comm (gradient-norm reduction and clipping, the step's loss sums: the
+                  collectives outside forward/backward), optimizer (optimizer, LR and router-bias
+                  updates). On CUDA each phase ends with a device synchronisation.
 
 Only the logging rank writes; the other ranks build a disabled logger.
 """
@@ -24,6 +30,8 @@ import logging
 import math
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +103,7 @@ def step_metrics(
     world_size: int,
     peak_tflops: float,
     aux_losses: dict[str, float] | None = None,
+    phase_times: dict[str, float] | None = None,
 ) -> dict[str, Any]:
     """The metrics.jsonl record of one step (definitions in the module docstring)."""
     tps = tokens_real / step_time
@@ -118,15 +127,46 @@ def step_metrics(
         "wall_time": wall_time,
     }
     record.update({f"aux/{k}": v for k, v in (aux_losses or {}).items()})
+    record.update({f"time/{k}": v for k, v in (phase_times or {}).items()})
     return record
+
+
+PHASES = ("data", "forward_backward", "comm", "optimizer")
+_PHASE_LABELS = {"data": "data", "forward_backward": "fwd+bwd", "comm": "comm", "optimizer": "opt"}
+
+
+class StepTimer:
+    """Seconds per phase of one step (`time/<phase>` in the module docstring)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.seconds = dict.fromkeys(PHASES, 0.0)
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        assert name in self.seconds, name
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.cuda:  # kernels are asynchronous: count them in the phase that queued them
+                torch.cuda.synchronize()
+            self.seconds[name] += time.perf_counter() - t0
+
+    def pop(self) -> dict[str, float]:
+        """The step's phase seconds, and a fresh start for the next step."""
+        out, self.seconds = self.seconds, dict.fromkeys(PHASES, 0.0)
+        return out
 
 
 def console_line(r: dict[str, Any]) -> str:
     aux = "".join(f"  {k} {v:.4f}" for k, v in r.items() if k.startswith("aux/"))
+    phases = " ".join(f"{_PHASE_LABELS[p]} {r[f'time/{p}']:.2f}" for p in PHASES if f"time/{p}" in r)
     return (
         f"step {r['step']:>5}  loss {r['loss']:.4f}{aux}  grad_norm {r['grad_norm']:.3f}  lr {r['lr']:.2e}  "
         f"tps {r['tps']:,.0f}  pad {100 * r['padding_frac']:.1f}%  tflops {r['tflops']:.3f}  "
         f"mfu {r['mfu']:.1f}%  mb {r['num_microbatches']}  imb {r['imbalance']:.3f}  {r['step_time']:.2f}s"
+        + (f" ({phases})" if phases else "")
     )
 
 
