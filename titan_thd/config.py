@@ -53,8 +53,10 @@ class Job:
 class Model:
     name: Literal["llama", "dsv4"] = "llama"
     """Model family: `llama` (dense GQA transformer) or `dsv4` (DeepSeek-V4-Flash hybrid)."""
-    flavor: str = "debug"
-    """Size preset of the model family (llama: debug, bench; dsv4: micro, tiny, flash)."""
+    flavor: str = ""
+    """Size preset of the model family (llama: debug, bench; dsv4: micro, tiny, flash). Empty: with
+    model.hf_path, the architecture its config.json describes (as transformers reads it); without, the
+    family's default (llama debug, dsv4 tiny). A flavor given with model.hf_path must match config.json."""
     hf_path: str = ""
     """Hugging Face checkpoint folder (config.json + safetensors) to initialise the weights from."""
     attention_backend: Literal["native", "te"] = "native"

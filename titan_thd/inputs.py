@@ -76,16 +76,29 @@ def _check_folder(key: str, value: str, folder: Path, writable: bool = False) ->
 def check_inputs(cfg: Config, world_size: int) -> tuple[ModelSpec, Tokenizer, Any, ParallelDims]:
     """(spec, tokenizer, model args, parallel dims) of `cfg` on `world_size` processes: every check that
     needs no process group, no data and no weights (ValueError naming the field, the value and what is
-    allowed)."""
+    allowed). An empty model.flavor without model.hf_path is set to the family's default flavor."""
     t, p, job = cfg.training, cfg.parallelism, cfg.job
     validate(cfg)
     spec = get_model_spec(cfg.model.name)
-    flavor_args = get_model_args(cfg.model.name, cfg.model.flavor)
     if cfg.model.hf_path and spec.init_from_hf is None:
         raise ValueError(
             f"model.hf_path = {cfg.model.hf_path!r}: model {cfg.model.name} cannot be initialised from a "
             "Hugging Face checkpoint (its ModelSpec has no init_from_hf hook); leave model.hf_path empty"
         )
+    # An empty flavor with a checkpoint: the architecture is the checkpoint's config.json (read below,
+    # once the folder is known to exist); its args dataclass is the default flavor's.
+    from_hf = bool(cfg.model.hf_path) and not cfg.model.flavor
+    if from_hf and spec.hf_args is None:
+        raise ValueError(
+            f"model.flavor is empty: model {cfg.model.name} cannot read its architecture from "
+            f"model.hf_path = {cfg.model.hf_path!r}; give model.flavor (one of {', '.join(spec.flavors)})"
+        )
+    if not cfg.model.flavor and not from_hf:
+        # Named from here on (log header, checkpoint fingerprint): a run that leaves it empty resumes
+        # one that named the default and the other way round.
+        cfg.model.flavor = spec.default_flavor or next(iter(spec.flavors))
+    flavor_args = get_model_args(cfg.model.name, cfg.model.flavor)
+    label = model_label(cfg)
     _check_folder("job.dump_folder", job.dump_folder, Path(job.dump_folder), writable=True)
     if cfg.data.source != "packed":
         key = "data.cache_dir" if cfg.data.cache_dir else "job.dump_folder"
@@ -109,15 +122,18 @@ def check_inputs(cfg: Config, world_size: int) -> tuple[ModelSpec, Tokenizer, An
         vocab_size = hf_vocab_size(cfg.model.hf_path, tokenizer.vocab_size)
     else:  # a multiple of 64 rows (matmul-friendly; the extra ids are never seen)
         vocab_size = -(-tokenizer.vocab_size // 64) * 64
+    if from_hf:
+        flavor_args = spec.hf_args(cfg.model.hf_path)
     model_args = dataclasses.replace(flavor_args, vocab_size=vocab_size, **model_overrides)
     if (
         cfg.model.hf_path and spec.check_hf is not None
-    ):  # config.json only: before any weight is built or read
-        spec.check_hf(model_args, cfg.model.hf_path, f"model.flavor = {cfg.model.flavor!r}")
+    ):  # config.json and the safetensors headers only: before any weight is built or read
+        name = "its own config.json" if from_hf else f"model.flavor = {cfg.model.flavor!r}"
+        spec.check_hf(model_args, cfg.model.hf_path, name)
     validate_context_parallel(
         degree=p.context_parallel_degree,
         configured_mode=p.context_parallel_mode,
-        model=f"{cfg.model.name} {cfg.model.flavor}",
+        model=label,
         model_mode=spec.cp_mode,
         tokens_per_microbatch=t.tokens_per_microbatch,
         pad_to_multiple=cfg.data.pad_to_multiple,
@@ -127,7 +143,7 @@ def check_inputs(cfg: Config, world_size: int) -> tuple[ModelSpec, Tokenizer, An
         degree=p.tensor_parallel_degree,
         divides=spec.tp_divides(model_args),
         tokens_per_cp_rank=t.tokens_per_microbatch // p.context_parallel_degree,
-        model=f"{cfg.model.name} {cfg.model.flavor}",
+        model=label,
     )
     try:
         dims = ParallelDims.from_config(p, world_size)
@@ -139,12 +155,18 @@ def check_inputs(cfg: Config, world_size: int) -> tuple[ModelSpec, Tokenizer, An
             f"{p.expert_parallel_degree}) does not fit {world_size} processes: {e}"
         ) from None
     dims.check_implemented()
-    check_expert_parallel(p.expert_parallel_degree, model_args, f"{cfg.model.name} {cfg.model.flavor}")
+    check_expert_parallel(p.expert_parallel_degree, model_args, label)
     pipeline_stage_layers(cfg, model_args)
     check_path(cfg)
     if cfg.validation.enable and cfg.validation.compare_padded and spec.padded_forward is None:
         raise ValueError(f"validation.compare_padded = true: model {cfg.model.name} has no padded forward")
     return spec, tokenizer, model_args, dims
+
+
+def model_label(cfg: Config) -> str:
+    """How messages name the model: family and flavor, or the checkpoint whose config.json is read."""
+    m = cfg.model
+    return f"{m.name} {m.flavor}" if m.flavor else f"{m.name} (config.json of {m.hf_path})"
 
 
 def check_expert_parallel(ep: int, model_args: Any, model: str) -> None:

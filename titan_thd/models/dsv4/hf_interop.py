@@ -427,6 +427,11 @@ def read_hf_config(path: str | Path) -> dict:
     return cfg
 
 
+def hf_args(path: str | Path) -> DSv4Args:
+    """The DSv4Args that the folder's config.json describes (training knobs at their defaults)."""
+    return _ckpt_args(Path(path))
+
+
 def _ckpt_args(path: Path) -> DSv4Args:
     cfg_file = path / "config.json"
     cfg = read_hf_config(path)

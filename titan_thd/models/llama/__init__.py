@@ -8,6 +8,7 @@ from titan_thd.models.spec import ModelSpec
 spec = ModelSpec(
     name="llama",
     flavors=flavors,
+    default_flavor="debug",
     build=build_llama,
     flops_per_step=flops_per_step,
     # Only the zigzag split balances causal attention (titan_thd.ops.cp_attention).
