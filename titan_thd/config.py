@@ -96,11 +96,15 @@ class Data:
         }
     )
     """Mock lengths: {mode="distribution", type="lognormal", min_seq_len, max_seq_len,
-    mean_seq_len, lognormal_sigma} or {mode="file", path="lengths.csv"}."""
+    mean_seq_len, lognormal_sigma} or {mode="file", path="lengths.csv"}; or the path of a `.json` file
+    holding such an object (relative to the working directory, like data.path; read when the config is
+    loaded, so the merged config shows its content)."""
     num_samples: int = 0
     """Mock source: number of samples (0 = 100,000)."""
-    pad_to_multiple: int = 1
-    """Pad every document to a multiple of this many tokens (zigzag CP needs 2*cp)."""
+    pad_to_multiple: int = 0
+    """Pad every document to a multiple of this many tokens. 0 = what the CP mode needs: 2 *
+    context_parallel_degree for zigzag and hybrid (each split document is cut into 2 * cp chunks), 1
+    for contiguous CP or none (set when the config is loaded; an explicit value must satisfy the mode)."""
     overlong: Literal["truncate", "drop"] = "truncate"
     """Documents longer than training.tokens_per_microbatch: `truncate` or `drop` (both counted)."""
     num_workers: int = 0
@@ -382,8 +386,27 @@ def _coerce(key: str, value: Any, typ: Any, from_cli: bool) -> Any:
                     parsed = None
             if isinstance(parsed, dict):
                 return parsed
-        raise bad('a table, e.g. {"mode": "file", "path": "lengths.csv"}')
+        if isinstance(value, str) and value.endswith(".json"):
+            return _json_table(key, value)
+        raise bad('a table, e.g. {"mode": "file", "path": "lengths.csv"}, or the path of a .json file')
     raise AssertionError(f"unsupported config type {typ} for {key}")
+
+
+def _json_table(key: str, value: str) -> dict:
+    """The JSON object of file `value` (relative to the working directory); ValueError naming the file
+    and, for bad JSON, its line and column."""
+    path = Path(value).expanduser().absolute()
+    try:
+        table = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ValueError(f"{key} = {value!r}: {path} does not exist") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{key} = {value!r}: {path}: invalid JSON: {e}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{key} = {value!r}: cannot read {path}: {e}") from None
+    if not isinstance(table, dict):
+        raise ValueError(f"{key} = {value!r}: {path} holds a JSON {type(table).__name__}, expected an object")
+    return table
 
 
 # ============================================================================ loading
@@ -466,6 +489,22 @@ def load_config(argv: list[str] | None = None) -> Config:
 
 
 # ============================================================================ validation
+def _cp_padding(cfg: Config) -> tuple[int, str]:
+    """(the document padding the CP mode needs, how it was derived) for data.pad_to_multiple = 0."""
+    p = cfg.parallelism
+    mode = p.context_parallel_mode
+    if p.context_parallel_degree == 1:
+        return 1, ""
+    if mode == "auto":  # the model's own mode; imported here, models import this module
+        from titan_thd.models import get_model_spec
+
+        mode = get_model_spec(cfg.model.name).cp_mode
+    if mode == "contiguous":
+        return 1, ""
+    cp = p.context_parallel_degree
+    return 2 * cp, f" (the {mode} CP default: 2 x parallelism.context_parallel_degree {cp})"
+
+
 def validate(cfg: Config) -> None:
     """Value checks that need no process group. Raises ValueError naming the field and value."""
     for key, allowed in CHOICES.items():
@@ -490,7 +529,7 @@ def validate(cfg: Config) -> None:
     positive("optimizer.weight_decay", cfg.optimizer.weight_decay, allow_zero=True)
     positive("lr_scheduler.warmup_steps", cfg.lr_scheduler.warmup_steps, allow_zero=True)
     positive("lr_scheduler.total_steps", cfg.lr_scheduler.total_steps, allow_zero=True)
-    positive("data.pad_to_multiple", cfg.data.pad_to_multiple)
+    positive("data.pad_to_multiple", cfg.data.pad_to_multiple, allow_zero=True)
     positive("data.num_workers", cfg.data.num_workers, allow_zero=True)
     positive("data.num_samples", cfg.data.num_samples, allow_zero=True)
     positive("checkpoint.interval", cfg.checkpoint.interval)
@@ -525,10 +564,13 @@ def validate(cfg: Config) -> None:
         raise ValueError(
             f"parallelism.data_parallel_shard_degree: got {p.data_parallel_shard_degree}, expected -1 or >= 1"
         )
+    derived = ""
+    if cfg.data.pad_to_multiple == 0:
+        cfg.data.pad_to_multiple, derived = _cp_padding(cfg)
     if t.tokens_per_microbatch % cfg.data.pad_to_multiple:
         raise ValueError(
             f"training.tokens_per_microbatch = {t.tokens_per_microbatch} is not a multiple of "
-            f"data.pad_to_multiple = {cfg.data.pad_to_multiple}"
+            f"data.pad_to_multiple = {cfg.data.pad_to_multiple}{derived}"
         )
     # The context-parallel rules need the model's CP mode: the Trainer checks them
     # (titan_thd.parallel.context_parallel.validate_context_parallel), still before any process group.
