@@ -12,9 +12,7 @@ def _toml(tmp_path, text, name="run.toml"):
 
 
 def test_defaults_without_arguments():
-    expected = Config()
-    expected.data.pad_to_multiple = 1  # 0 = what the CP mode needs, resolved when loaded: no CP
-    assert load_config([]) == expected
+    assert load_config([]) == Config()
 
 
 def test_precedence_cli_over_toml_over_defaults(tmp_path):

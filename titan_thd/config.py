@@ -104,7 +104,8 @@ class Data:
     pad_to_multiple: int = 0
     """Pad every document to a multiple of this many tokens. 0 = what the CP mode needs: 2 *
     context_parallel_degree for zigzag and hybrid (each split document is cut into 2 * cp chunks), 1
-    for contiguous CP or none (set when the config is loaded; an explicit value must satisfy the mode)."""
+    for contiguous CP or none (set by the start-up checks, which know the model's CP mode; an explicit
+    value must satisfy the mode)."""
     overlong: Literal["truncate", "drop"] = "truncate"
     """Documents longer than training.tokens_per_microbatch: `truncate` or `drop` (both counted)."""
     num_workers: int = 0
@@ -489,22 +490,6 @@ def load_config(argv: list[str] | None = None) -> Config:
 
 
 # ============================================================================ validation
-def _cp_padding(cfg: Config) -> tuple[int, str]:
-    """(the document padding the CP mode needs, how it was derived) for data.pad_to_multiple = 0."""
-    p = cfg.parallelism
-    mode = p.context_parallel_mode
-    if p.context_parallel_degree == 1:
-        return 1, ""
-    if mode == "auto":  # the model's own mode; imported here, models import this module
-        from titan_thd.models import get_model_spec
-
-        mode = get_model_spec(cfg.model.name).cp_mode
-    if mode == "contiguous":
-        return 1, ""
-    cp = p.context_parallel_degree
-    return 2 * cp, f" (the {mode} CP default: 2 x parallelism.context_parallel_degree {cp})"
-
-
 def validate(cfg: Config) -> None:
     """Value checks that need no process group. Raises ValueError naming the field and value."""
     for key, allowed in CHOICES.items():
@@ -564,13 +549,10 @@ def validate(cfg: Config) -> None:
         raise ValueError(
             f"parallelism.data_parallel_shard_degree: got {p.data_parallel_shard_degree}, expected -1 or >= 1"
         )
-    derived = ""
-    if cfg.data.pad_to_multiple == 0:
-        cfg.data.pad_to_multiple, derived = _cp_padding(cfg)
-    if t.tokens_per_microbatch % cfg.data.pad_to_multiple:
+    if cfg.data.pad_to_multiple and t.tokens_per_microbatch % cfg.data.pad_to_multiple:
         raise ValueError(
             f"training.tokens_per_microbatch = {t.tokens_per_microbatch} is not a multiple of "
-            f"data.pad_to_multiple = {cfg.data.pad_to_multiple}{derived}"
+            f"data.pad_to_multiple = {cfg.data.pad_to_multiple}"
         )
     # The context-parallel rules need the model's CP mode: the Trainer checks them
     # (titan_thd.parallel.context_parallel.validate_context_parallel), still before any process group.

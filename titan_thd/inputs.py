@@ -14,11 +14,11 @@ from typing import Any
 
 from titan_thd import pipeline
 from titan_thd.components.validation import check_path
-from titan_thd.config import Config, validate, virtual_stages
+from titan_thd.config import Config, Parallelism, validate, virtual_stages
 from titan_thd.data.tokenizer import Tokenizer, build_tokenizer
 from titan_thd.models import get_model_args, get_model_spec
 from titan_thd.models.spec import ModelSpec
-from titan_thd.parallel.context_parallel import validate_context_parallel
+from titan_thd.parallel.context_parallel import CPMode, validate_context_parallel
 from titan_thd.parallel.parallel_dims import ParallelDims
 from titan_thd.parallel.tensor_parallel import validate_tensor_parallel
 
@@ -76,7 +76,8 @@ def _check_folder(key: str, value: str, folder: Path, writable: bool = False) ->
 def check_inputs(cfg: Config, world_size: int) -> tuple[ModelSpec, Tokenizer, Any, ParallelDims]:
     """(spec, tokenizer, model args, parallel dims) of `cfg` on `world_size` processes: every check that
     needs no process group, no data and no weights (ValueError naming the field, the value and what is
-    allowed). An empty model.flavor without model.hf_path is set to the family's default flavor."""
+    allowed). An empty model.flavor without model.hf_path is set to the family's default flavor, and
+    data.pad_to_multiple = 0 to what the CP mode needs."""
     t, p, job = cfg.training, cfg.parallelism, cfg.job
     validate(cfg)
     spec = get_model_spec(cfg.model.name)
@@ -130,6 +131,15 @@ def check_inputs(cfg: Config, world_size: int) -> tuple[ModelSpec, Tokenizer, An
     ):  # config.json and the safetensors headers only: before any weight is built or read
         name = "its own config.json" if from_hf else f"model.flavor = {cfg.model.flavor!r}"
         spec.check_hf(model_args, cfg.model.hf_path, name)
+    derived = ""
+    if cfg.data.pad_to_multiple == 0:  # what the CP mode needs; set here, before anything reads it
+        cfg.data.pad_to_multiple = default_pad_to_multiple(p, spec.cp_mode)
+        derived = f" (the default for context_parallel_degree {p.context_parallel_degree})"
+    if t.tokens_per_microbatch % cfg.data.pad_to_multiple:
+        raise ValueError(
+            f"training.tokens_per_microbatch = {t.tokens_per_microbatch} is not a multiple of "
+            f"data.pad_to_multiple = {cfg.data.pad_to_multiple}{derived}"
+        )
     validate_context_parallel(
         degree=p.context_parallel_degree,
         configured_mode=p.context_parallel_mode,
@@ -161,6 +171,13 @@ def check_inputs(cfg: Config, world_size: int) -> tuple[ModelSpec, Tokenizer, An
     if cfg.validation.enable and cfg.validation.compare_padded and spec.padded_forward is None:
         raise ValueError(f"validation.compare_padded = true: model {cfg.model.name} has no padded forward")
     return spec, tokenizer, model_args, dims
+
+
+def default_pad_to_multiple(p: Parallelism, model_mode: CPMode) -> int:
+    """data.pad_to_multiple = 0: 2 * cp where documents are zigzagged (zigzag, and hybrid's long ones),
+    else 1 (contiguous CP splits rows, not documents)."""
+    mode = model_mode if p.context_parallel_mode == "auto" else p.context_parallel_mode
+    return 2 * p.context_parallel_degree if p.context_parallel_degree > 1 and mode != "contiguous" else 1
 
 
 def model_label(cfg: Config) -> str:

@@ -1,5 +1,5 @@
 """Derived and file-given data settings: data.pad_to_multiple = 0 (the default) becomes what the CP mode
-needs; data.mock_config may name a JSON file holding the table."""
+needs (in the start-up checks); data.mock_config may name a JSON file holding the table."""
 
 from __future__ import annotations
 
@@ -27,19 +27,20 @@ CP2 = ("--parallelism.context_parallel_degree", "2", "--parallelism.data_paralle
 )
 def test_pad_to_multiple_defaults_to_what_the_cp_mode_needs(args, pad, tmp_path):
     cfg = load_config([*args, "--job.dump_folder", str(tmp_path)])
+    check_inputs(cfg, cfg.parallelism.context_parallel_degree)  # dp 1; the CP rules accept the value
     assert cfg.data.pad_to_multiple == pad
-    check_inputs(cfg, cfg.parallelism.context_parallel_degree)  # the CP rules accept it (dp 1)
 
 
 def test_pad_to_multiple_refusals_name_the_numbers(tmp_path):
+    cfg = load_config(
+        ["--parallelism.context_parallel_degree", "3", "--training.tokens_per_microbatch", "1000"]
+    )
     with pytest.raises(
         ValueError,
-        match=r"tokens_per_microbatch = 1000 is not a multiple of data.pad_to_multiple = 6 \(the zigzag CP "
-        r"default: 2 x parallelism.context_parallel_degree 3\)",
+        match=r"tokens_per_microbatch = 1000 is not a multiple of data.pad_to_multiple = 6 \(the default for "
+        r"context_parallel_degree 3\)",
     ):
-        load_config(
-            ["--parallelism.context_parallel_degree", "3", "--training.tokens_per_microbatch", "1000"]
-        )
+        check_inputs(cfg, 3)
     cfg = load_config([*CP2, "--data.pad_to_multiple", "2", "--job.dump_folder", str(tmp_path)])
     with pytest.raises(ValueError, match=r"data.pad_to_multiple = 2 must be a multiple of 4"):
         check_inputs(cfg, 2)  # an explicit wrong value is still refused
