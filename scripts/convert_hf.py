@@ -9,7 +9,8 @@
 
 The DCP state dict has the trainer's layout (`{"model": {fqn: tensor}}`, so keys `model.<fqn>`),
 written by one process; DCP reshards it when a multi-rank job loads it. The HF side uses
-`titan_thd.models.dsv4.hf_interop` (the one place that maps names). For `to-hf` the architecture
+`titan_thd.models.dsv4.hf_interop` (the one place that maps names). `to-dcp` reads DeepSeek's published
+FP8 / packed-FP4 checkpoints too: their weights are dequantised to float32 (docs/dsv4.md §17.1). For `to-hf` the architecture
 comes from the flavor (its vocabulary size is taken from the checkpoint's embedding, since the
 trainer rounds the tokenizer's up to a multiple of 64) or from an HF config.json; `to-dcp` copies
 config.json next to the shards so the folder converts back with `--hf-config OUT_DIR/config.json`.

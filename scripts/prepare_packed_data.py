@@ -42,6 +42,8 @@ from titan_thd.data.packed_dataset import ALGORITHMS, METADATA_FILE, pack_rows, 
 from titan_thd.data.packer import padded_lengths
 from titan_thd.data.token_store import build_token_store
 from titan_thd.data.tokenizer import build_tokenizer
+from titan_thd.inputs import default_pad_to_multiple
+from titan_thd.models import get_model_spec
 
 HISTOGRAM_FILE = "length_histogram.png"
 
@@ -105,6 +107,10 @@ def main(argv: list[str] | None = None) -> dict:
             setattr(data, field, getattr(args, field))
     T = args.tokens_per_microbatch or cfg.training.tokens_per_microbatch
     seed = cfg.training.seed if args.seed is None else args.seed
+    if data.pad_to_multiple == 0:  # what the run's CP mode needs, as the trainer derives it
+        data.pad_to_multiple = default_pad_to_multiple(
+            cfg.parallelism, get_model_spec(cfg.model.name).cp_mode
+        )
     if T % data.pad_to_multiple:
         raise ValueError(
             f"--tokens-per-microbatch {T} is not a multiple of --pad-to-multiple {data.pad_to_multiple}"

@@ -123,7 +123,7 @@ def test_toml_errors_name_the_file(tmp_path, text, message):
         ({"lr_scheduler.warmup_steps": "-1"}, r"lr_scheduler.warmup_steps: got -1"),
         ({"lr_scheduler.total_steps": "-1"}, r"lr_scheduler.total_steps: got -1"),
         ({"lr_scheduler.min_lr_factor": "1.5"}, r"lr_scheduler.min_lr_factor: got 1.5, expected 0..1"),
-        ({"data.pad_to_multiple": "0"}, r"data.pad_to_multiple: got 0"),
+        ({"data.pad_to_multiple": "-2"}, r"data.pad_to_multiple: got -2, expected a non-negative value"),
         ({"data.num_workers": "-1"}, r"data.num_workers: got -1"),
         ({"data.num_samples": "-1"}, r"data.num_samples: got -1"),
         ({"data.source": "jsonl"}, r"data.source = jsonl needs data.path"),

@@ -53,8 +53,10 @@ class Job:
 class Model:
     name: Literal["llama", "dsv4"] = "llama"
     """Model family: `llama` (dense GQA transformer) or `dsv4` (DeepSeek-V4-Flash hybrid)."""
-    flavor: str = "debug"
-    """Size preset of the model family (llama: debug, bench; dsv4: micro, tiny, flash)."""
+    flavor: str = ""
+    """Size preset of the model family (llama: debug, bench; dsv4: micro, tiny, flash). Empty: with
+    model.hf_path, the architecture its config.json describes (as transformers reads it); without, the
+    family's default (llama debug, dsv4 tiny). A flavor given with model.hf_path must match config.json."""
     hf_path: str = ""
     """Hugging Face checkpoint folder (config.json + safetensors) to initialise the weights from."""
     attention_backend: Literal["native", "te"] = "native"
@@ -94,11 +96,16 @@ class Data:
         }
     )
     """Mock lengths: {mode="distribution", type="lognormal", min_seq_len, max_seq_len,
-    mean_seq_len, lognormal_sigma} or {mode="file", path="lengths.csv"}."""
+    mean_seq_len, lognormal_sigma} or {mode="file", path="lengths.csv"}; or the path of a `.json` file
+    holding such an object (relative to the working directory, like data.path; read when the config is
+    loaded, so the merged config shows its content)."""
     num_samples: int = 0
     """Mock source: number of samples (0 = 100,000)."""
-    pad_to_multiple: int = 1
-    """Pad every document to a multiple of this many tokens (zigzag CP needs 2*cp)."""
+    pad_to_multiple: int = 0
+    """Pad every document to a multiple of this many tokens. 0 = what the CP mode needs: 2 *
+    context_parallel_degree for zigzag and hybrid (each split document is cut into 2 * cp chunks), 1
+    for contiguous CP or none (set by the start-up checks, which know the model's CP mode; an explicit
+    value must satisfy the mode)."""
     overlong: Literal["truncate", "drop"] = "truncate"
     """Documents longer than training.tokens_per_microbatch: `truncate` or `drop` (both counted)."""
     num_workers: int = 0
@@ -380,8 +387,27 @@ def _coerce(key: str, value: Any, typ: Any, from_cli: bool) -> Any:
                     parsed = None
             if isinstance(parsed, dict):
                 return parsed
-        raise bad('a table, e.g. {"mode": "file", "path": "lengths.csv"}')
+        if isinstance(value, str) and value.endswith(".json"):
+            return _json_table(key, value)
+        raise bad('a table, e.g. {"mode": "file", "path": "lengths.csv"}, or the path of a .json file')
     raise AssertionError(f"unsupported config type {typ} for {key}")
+
+
+def _json_table(key: str, value: str) -> dict:
+    """The JSON object of file `value` (relative to the working directory); ValueError naming the file
+    and, for bad JSON, its line and column."""
+    path = Path(value).expanduser().absolute()
+    try:
+        table = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ValueError(f"{key} = {value!r}: {path} does not exist") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{key} = {value!r}: {path}: invalid JSON: {e}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{key} = {value!r}: cannot read {path}: {e}") from None
+    if not isinstance(table, dict):
+        raise ValueError(f"{key} = {value!r}: {path} holds a JSON {type(table).__name__}, expected an object")
+    return table
 
 
 # ============================================================================ loading
@@ -488,7 +514,7 @@ def validate(cfg: Config) -> None:
     positive("optimizer.weight_decay", cfg.optimizer.weight_decay, allow_zero=True)
     positive("lr_scheduler.warmup_steps", cfg.lr_scheduler.warmup_steps, allow_zero=True)
     positive("lr_scheduler.total_steps", cfg.lr_scheduler.total_steps, allow_zero=True)
-    positive("data.pad_to_multiple", cfg.data.pad_to_multiple)
+    positive("data.pad_to_multiple", cfg.data.pad_to_multiple, allow_zero=True)
     positive("data.num_workers", cfg.data.num_workers, allow_zero=True)
     positive("data.num_samples", cfg.data.num_samples, allow_zero=True)
     positive("checkpoint.interval", cfg.checkpoint.interval)
@@ -523,7 +549,7 @@ def validate(cfg: Config) -> None:
         raise ValueError(
             f"parallelism.data_parallel_shard_degree: got {p.data_parallel_shard_degree}, expected -1 or >= 1"
         )
-    if t.tokens_per_microbatch % cfg.data.pad_to_multiple:
+    if cfg.data.pad_to_multiple and t.tokens_per_microbatch % cfg.data.pad_to_multiple:
         raise ValueError(
             f"training.tokens_per_microbatch = {t.tokens_per_microbatch} is not a multiple of "
             f"data.pad_to_multiple = {cfg.data.pad_to_multiple}"

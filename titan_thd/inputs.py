@@ -14,11 +14,11 @@ from typing import Any
 
 from titan_thd import pipeline
 from titan_thd.components.validation import check_path
-from titan_thd.config import Config, validate, virtual_stages
+from titan_thd.config import Config, Parallelism, validate, virtual_stages
 from titan_thd.data.tokenizer import Tokenizer, build_tokenizer
 from titan_thd.models import get_model_args, get_model_spec
 from titan_thd.models.spec import ModelSpec
-from titan_thd.parallel.context_parallel import validate_context_parallel
+from titan_thd.parallel.context_parallel import CPMode, validate_context_parallel
 from titan_thd.parallel.parallel_dims import ParallelDims
 from titan_thd.parallel.tensor_parallel import validate_tensor_parallel
 
@@ -76,16 +76,30 @@ def _check_folder(key: str, value: str, folder: Path, writable: bool = False) ->
 def check_inputs(cfg: Config, world_size: int) -> tuple[ModelSpec, Tokenizer, Any, ParallelDims]:
     """(spec, tokenizer, model args, parallel dims) of `cfg` on `world_size` processes: every check that
     needs no process group, no data and no weights (ValueError naming the field, the value and what is
-    allowed)."""
+    allowed). An empty model.flavor without model.hf_path is set to the family's default flavor, and
+    data.pad_to_multiple = 0 to what the CP mode needs."""
     t, p, job = cfg.training, cfg.parallelism, cfg.job
     validate(cfg)
     spec = get_model_spec(cfg.model.name)
-    flavor_args = get_model_args(cfg.model.name, cfg.model.flavor)
     if cfg.model.hf_path and spec.init_from_hf is None:
         raise ValueError(
             f"model.hf_path = {cfg.model.hf_path!r}: model {cfg.model.name} cannot be initialised from a "
             "Hugging Face checkpoint (its ModelSpec has no init_from_hf hook); leave model.hf_path empty"
         )
+    # An empty flavor with a checkpoint: the architecture is the checkpoint's config.json (read below,
+    # once the folder is known to exist); its args dataclass is the default flavor's.
+    from_hf = bool(cfg.model.hf_path) and not cfg.model.flavor
+    if from_hf and spec.hf_args is None:
+        raise ValueError(
+            f"model.flavor is empty: model {cfg.model.name} cannot read its architecture from "
+            f"model.hf_path = {cfg.model.hf_path!r}; give model.flavor (one of {', '.join(spec.flavors)})"
+        )
+    if not cfg.model.flavor and not from_hf:
+        # Named from here on (log header, checkpoint fingerprint): a run that leaves it empty resumes
+        # one that named the default and the other way round.
+        cfg.model.flavor = spec.default_flavor or next(iter(spec.flavors))
+    flavor_args = get_model_args(cfg.model.name, cfg.model.flavor)
+    label = model_label(cfg)
     _check_folder("job.dump_folder", job.dump_folder, Path(job.dump_folder), writable=True)
     if cfg.data.source != "packed":
         key = "data.cache_dir" if cfg.data.cache_dir else "job.dump_folder"
@@ -109,15 +123,27 @@ def check_inputs(cfg: Config, world_size: int) -> tuple[ModelSpec, Tokenizer, An
         vocab_size = hf_vocab_size(cfg.model.hf_path, tokenizer.vocab_size)
     else:  # a multiple of 64 rows (matmul-friendly; the extra ids are never seen)
         vocab_size = -(-tokenizer.vocab_size // 64) * 64
+    if from_hf:
+        flavor_args = spec.hf_args(cfg.model.hf_path)
     model_args = dataclasses.replace(flavor_args, vocab_size=vocab_size, **model_overrides)
     if (
         cfg.model.hf_path and spec.check_hf is not None
-    ):  # config.json only: before any weight is built or read
-        spec.check_hf(model_args, cfg.model.hf_path, f"model.flavor = {cfg.model.flavor!r}")
+    ):  # config.json and the safetensors headers only: before any weight is built or read
+        name = "its own config.json" if from_hf else f"model.flavor = {cfg.model.flavor!r}"
+        spec.check_hf(model_args, cfg.model.hf_path, name)
+    derived = ""
+    if cfg.data.pad_to_multiple == 0:  # what the CP mode needs; set here, before anything reads it
+        cfg.data.pad_to_multiple = default_pad_to_multiple(p, spec.cp_mode)
+        derived = f" (the default for context_parallel_degree {p.context_parallel_degree})"
+    if t.tokens_per_microbatch % cfg.data.pad_to_multiple:
+        raise ValueError(
+            f"training.tokens_per_microbatch = {t.tokens_per_microbatch} is not a multiple of "
+            f"data.pad_to_multiple = {cfg.data.pad_to_multiple}{derived}"
+        )
     validate_context_parallel(
         degree=p.context_parallel_degree,
         configured_mode=p.context_parallel_mode,
-        model=f"{cfg.model.name} {cfg.model.flavor}",
+        model=label,
         model_mode=spec.cp_mode,
         tokens_per_microbatch=t.tokens_per_microbatch,
         pad_to_multiple=cfg.data.pad_to_multiple,
@@ -127,7 +153,7 @@ def check_inputs(cfg: Config, world_size: int) -> tuple[ModelSpec, Tokenizer, An
         degree=p.tensor_parallel_degree,
         divides=spec.tp_divides(model_args),
         tokens_per_cp_rank=t.tokens_per_microbatch // p.context_parallel_degree,
-        model=f"{cfg.model.name} {cfg.model.flavor}",
+        model=label,
     )
     try:
         dims = ParallelDims.from_config(p, world_size)
@@ -139,12 +165,25 @@ def check_inputs(cfg: Config, world_size: int) -> tuple[ModelSpec, Tokenizer, An
             f"{p.expert_parallel_degree}) does not fit {world_size} processes: {e}"
         ) from None
     dims.check_implemented()
-    check_expert_parallel(p.expert_parallel_degree, model_args, f"{cfg.model.name} {cfg.model.flavor}")
+    check_expert_parallel(p.expert_parallel_degree, model_args, label)
     pipeline_stage_layers(cfg, model_args)
     check_path(cfg)
     if cfg.validation.enable and cfg.validation.compare_padded and spec.padded_forward is None:
         raise ValueError(f"validation.compare_padded = true: model {cfg.model.name} has no padded forward")
     return spec, tokenizer, model_args, dims
+
+
+def default_pad_to_multiple(p: Parallelism, model_mode: CPMode) -> int:
+    """data.pad_to_multiple = 0: 2 * cp where documents are zigzagged (zigzag, and hybrid's long ones),
+    else 1 (contiguous CP splits rows, not documents)."""
+    mode = model_mode if p.context_parallel_mode == "auto" else p.context_parallel_mode
+    return 2 * p.context_parallel_degree if p.context_parallel_degree > 1 and mode != "contiguous" else 1
+
+
+def model_label(cfg: Config) -> str:
+    """How messages name the model: family and flavor, or the checkpoint whose config.json is read."""
+    m = cfg.model
+    return f"{m.name} {m.flavor}" if m.flavor else f"{m.name} (config.json of {m.hf_path})"
 
 
 def check_expert_parallel(ep: int, model_args: Any, model: str) -> None:

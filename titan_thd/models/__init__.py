@@ -16,7 +16,9 @@ def get_model_spec(name: str) -> ModelSpec:
 
 
 def get_model_args(name: str, flavor: str):
+    """The args of `flavor` ("" = the family's default flavor)."""
     spec = get_model_spec(name)
+    flavor = flavor or spec.default_flavor or next(iter(spec.flavors), "")
     if flavor not in spec.flavors:
         raise ValueError(
             f"model.flavor: got {flavor!r} for {name}, expected one of {', '.join(spec.flavors)}"

@@ -46,6 +46,9 @@ class ModelSpec:
     cp_mode: CPMode
     """The context-parallel split the model computes exactly (parallelism.context_parallel_mode = auto
     follows it; another mode is refused): see titan_thd/parallel/context_parallel.py."""
+    default_flavor: str = ""
+    """The flavor of an empty `model.flavor` without a checkpoint to read the architecture from
+    ("" = the first of `flavors`)."""
     parallelize: Callable[..., nn.Module] | None = None
     """(model, parallel_dims, parallelism_config) -> model; applies TP, CP, then FSDP (CP needs no
     wrapping: the layers read BatchMeta.cp)."""
@@ -63,6 +66,9 @@ class ModelSpec:
     check_hf: Callable[[Any, str, str], None] | None = None
     """(args, model.hf_path, name of the args) -> None: check the checkpoint's config.json against the
     args before anything is built or read (ValueError on a mismatch); None = no early check."""
+    hf_args: Callable[[str], Any] | None = None
+    """model.hf_path -> the args its config.json describes (ValueError if it cannot be read or is not
+    supported): the architecture when `model.flavor` is empty; None = that model needs a flavor."""
     padded_forward: Callable[[nn.Module, torch.Tensor, list[int]], torch.Tensor] | None = None
     """(model, tokens_BS, lengths_B) -> logits_BSV of a padded batch: row b holds one document in its
     first lengths_B[b] columns, the rest is padding (its logits are ignored). A code path of its own,

@@ -14,7 +14,7 @@ from torch import nn
 
 from titan_thd.models.dsv4.args import CP_MODE, DSv4Args, flavors
 from titan_thd.models.dsv4.flops import flops_per_step
-from titan_thd.models.dsv4.hf_interop import check_hf, export_hf, load_hf, load_hf_into
+from titan_thd.models.dsv4.hf_interop import check_hf, export_hf, hf_args, load_hf, load_hf_into
 from titan_thd.models.dsv4.model import DSv4Model, build_dsv4, per_document_logits
 from titan_thd.models.dsv4.parallelize import parallelize_dsv4, tp_divides
 from titan_thd.models.spec import ModelSpec
@@ -61,6 +61,7 @@ def narrow(args: DSv4Args, f: int) -> tuple[DSv4Args, list[int]]:
 spec = ModelSpec(
     name="dsv4",
     flavors=flavors,
+    default_flavor="tiny",
     build=build_dsv4,
     flops_per_step=flops_per_step,
     cp_mode=CP_MODE,
@@ -70,6 +71,7 @@ spec = ModelSpec(
     matrix_params=matrix_params,
     init_from_hf=load_hf_into,
     check_hf=check_hf,
+    hf_args=hf_args,
     padded_forward=per_document_logits,
     after_optimizer_step=update_router_bias,
     narrow=narrow,

@@ -6,7 +6,8 @@ Three spellings of the same tensors exist:
                `model.` prefix): the same but hc_attn_fn, hc_head_fn, plus mtp.0.*
   transformers the module names of DeepseekV4ForCausalLM: model.layers.3.self_attn.q_a_proj.weight,
                ...mlp.experts.gate_up_proj (experts fused [E, 2F, d]); it never instantiates MTP.
-`load_hf` accepts any mix of them; `export_hf` writes the reference spelling (config.json in the
+`load_hf` accepts any mix of them, and DeepSeek's published block-quantised FP8 / FP4 weights
+(dequantised on load, hf_dequant.py); `export_hf` writes the reference spelling (config.json in the
 transformers format), which `DeepseekV4ForCausalLM.from_pretrained` loads.
 
     model, args = load_hf("ckpt_dir")             # args from config.json
@@ -25,6 +26,7 @@ from pathlib import Path
 import torch
 
 from titan_thd.models.dsv4.args import DSv4Args, flavors
+from titan_thd.models.dsv4.hf_dequant import check_quantization_config, dequantize_state
 from titan_thd.models.dsv4.model import DSv4Model, build_dsv4
 
 logger = logging.getLogger(__name__)
@@ -342,6 +344,8 @@ def _safetensors_files(path: Path) -> list[Path]:
 
 
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the folder's safetensors files; DeepSeek's block-quantised FP8 / FP4 weights come
+    back dequantised to float32 (hf_dequant.py), their scales consumed."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -351,14 +355,9 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
             state.update(load_file(f))
         except (SafetensorError, OSError) as e:
             raise ValueError(f"{f}: cannot read safetensors: {e}") from None
-    quantized = [k for k, v in state.items() if v.dtype.is_floating_point and v.element_size() == 1]
-    quantized += [k for k in state if k.endswith((".scale", "_scale_inv", ".weight_scale_inv"))]
-    if quantized:
-        raise ValueError(
-            f"{path}: {len(quantized)} quantized (FP8/FP4) tensors or scales, e.g. {quantized[:3]}; "
-            "dequantize the checkpoint to bf16 / fp32 first"
-        )
-    return state
+    cfg_file = path / "config.json"
+    block = check_quantization_config(read_hf_config(path), str(cfg_file))
+    return dequantize_state(state, block, str(path))
 
 
 def load_state_dict_hf(
@@ -428,10 +427,17 @@ def read_hf_config(path: str | Path) -> dict:
     return cfg
 
 
+def hf_args(path: str | Path) -> DSv4Args:
+    """The DSv4Args that the folder's config.json describes (training knobs at their defaults)."""
+    return _ckpt_args(Path(path))
+
+
 def _ckpt_args(path: Path) -> DSv4Args:
     cfg_file = path / "config.json"
+    cfg = read_hf_config(path)
+    check_quantization_config(cfg, str(cfg_file))
     try:
-        return args_from_hf_config(read_hf_config(path), str(cfg_file))
+        return args_from_hf_config(cfg, str(cfg_file))
     except (TypeError, AttributeError) as e:  # e.g. a string where a number or a table belongs
         raise ValueError(f"{cfg_file}: a value of the wrong type ({e})") from None
 

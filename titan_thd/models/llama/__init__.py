@@ -22,6 +22,7 @@ def narrow(args: LlamaArgs, f: int) -> tuple[LlamaArgs, list[int]]:
 spec = ModelSpec(
     name="llama",
     flavors=flavors,
+    default_flavor="debug",
     build=build_llama,
     flops_per_step=flops_per_step,
     # Only the zigzag split balances causal attention (titan_thd.ops.cp_attention).

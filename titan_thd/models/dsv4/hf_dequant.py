@@ -1,0 +1,146 @@
+"""Dequantise the block-quantised weights of DeepSeek's published checkpoints on load (docs/dsv4.md §17).
+
+DeepSeek publishes V3 and V4 with low-precision weights. The layouts read here (the ones transformers'
+fine-grained loader reads):
+
+- FP8 (every V3 / V4 `-Base` linear, V4's attention and shared experts): a `float8_e4m3fn` weight
+  `<m>.weight` and a scale grid `<m>.scale` (V4's release) or `<m>.weight_scale_inv` (V3, and what
+  transformers saves), one multiplier per block of `quantization_config.weight_block_size` (128 x 128)
+  rows x columns. The grid rounds up (`[ceil(out / 128), ceil(in / 128)]`); edge blocks are partial.
+- Packed FP4 (V4-Flash / V4-Pro routed experts): an int8 (or uint8) weight `[out, in / 2]` holding two
+  e2m1 values per byte, low nibble first, and a `float8_e8m0fnu` scale (or its biased exponent byte
+  as uint8) `[out, in / 32]`: one power of two per 1 x 32 block.
+
+`w = value * scale of its block`, computed in float32. Other quantisation schemes (NVFP4's second-level
+scales, static activation scales, a `quant_method` other than DeepSeek's `fp8`) are refused.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+"""The 16 FP4 e2m1 codes: bit 3 is the sign, bits 0-2 index 0, 0.5, 1, 1.5, 2, 3, 4, 6."""
+_PACKED = (torch.int8, torch.uint8)
+# Scales of schemes that are not DeepSeek's (NVFP4, static activation quantisation): refused by name.
+_FOREIGN_SUFFIXES = (".weight_scale_2", ".input_scale", ".activation_scale", ".weight_scale")
+
+
+def check_quantization_config(cfg: dict, where: str) -> tuple[int, int] | None:
+    """The `weight_block_size` of config.json's `quantization_config` (None without one); ValueError
+    for a scheme this loader cannot dequantise."""
+    q = cfg.get("quantization_config")
+    if q is None:
+        return None
+    if not isinstance(q, dict):
+        raise ValueError(f"{where}: quantization_config must be a JSON object, got {type(q).__name__}")
+    method = q.get("quant_method", "fp8")
+    if method != "fp8":
+        raise ValueError(
+            f"{where}: quantization_config.quant_method = {method!r} is not supported (only DeepSeek's "
+            "block 'fp8' release format, with packed FP4 experts); dequantise the checkpoint first"
+        )
+    if q.get("fmt", "e4m3") != "e4m3":
+        raise ValueError(f"{where}: quantization_config.fmt = {q['fmt']!r} is not supported (only 'e4m3')")
+    block = q.get("weight_block_size", [128, 128])
+    if (
+        not isinstance(block, list)
+        or len(block) != 2
+        or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)
+    ):
+        raise ValueError(f"{where}: quantization_config.weight_block_size = {block!r}, expected [rows, cols]")
+    return block[0], block[1]
+
+
+def _scale_key(state: dict[str, torch.Tensor], key: str) -> str | None:
+    names = [key + "_scale_inv"]
+    if key.endswith(".weight"):
+        names = [key.removesuffix("weight") + "scale", key + "_scale_inv"]
+    found = [n for n in names if n in state]
+    if len(found) > 1:
+        raise ValueError(f"{key} has two scales, {found}; expected one")
+    return found[0] if found else None
+
+
+def _unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
+    lut = torch.tensor(_E2M1, dtype=torch.float32)
+    u8 = packed.contiguous().view(torch.uint8)
+    pairs = torch.stack([lut[(u8 & 0xF).long()], lut[(u8 >> 4).long()]], dim=-1)  # low nibble first
+    return pairs.reshape(*packed.shape[:-1], 2 * packed.shape[-1])
+
+
+def _scale_values(scale: torch.Tensor) -> torch.Tensor:
+    if scale.dtype == torch.uint8:  # a UE8M0 exponent byte: 2^(e - 127)
+        return torch.exp2(scale.float() - 127.0)
+    return scale.float()
+
+
+def dequantize_tensor(
+    key: str, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None
+) -> torch.Tensor:
+    """float32 weight of a quantised `weight` and its per-block `scale` grid (ValueError naming `key`)."""
+    values = _unpack_fp4(weight) if weight.dtype in _PACKED else weight.float()
+    if values.dim() < 2 or scale.dim() != values.dim() or scale.shape[:-2] != values.shape[:-2]:
+        raise ValueError(
+            f"{key}: scale grid {tuple(scale.shape)} does not fit the weight {tuple(values.shape)}"
+        )
+    rows, cols = values.shape[-2:]
+    grid = tuple(scale.shape[-2:])
+    # The grid rounds up, so it alone does not give the block (DeepSeek-V3's [576, 7168] weights have a
+    # [5, 56] grid): the configured block comes first; a grid that divides the weight gives the rest
+    # (the 1 x 32 blocks of packed FP4 experts).
+    if block is not None and (-(-rows // block[0]), -(-cols // block[1])) == grid:
+        bm, bn = block
+    elif rows % grid[0] == 0 and cols % grid[1] == 0:
+        bm, bn = rows // grid[0], cols // grid[1]
+    else:
+        raise ValueError(
+            f"{key}: scale grid {grid} does not tile the weight's {rows} x {cols} values "
+            f"(weight_block_size {list(block) if block else None})"
+        )
+    s = _scale_values(scale).repeat_interleave(bm, dim=-2)[..., :rows, :]
+    s = s.repeat_interleave(bn, dim=-1)[..., :cols]
+    return values * s
+
+
+def dequantize_state(
+    state: dict[str, torch.Tensor], block: tuple[int, int] | None, where: str
+) -> dict[str, torch.Tensor]:
+    """`state` with every quantised weight replaced by its float32 value and the scales it consumed
+    removed; other tensors are untouched. ValueError for a low-precision tensor without its scale or a
+    scheme that is not DeepSeek's."""
+    foreign = [k for k in state if k.endswith(_FOREIGN_SUFFIXES)]
+    if foreign:
+        raise ValueError(
+            f"{where}: {len(foreign)} tensors of a quantisation scheme this loader does not read "
+            f"(NVFP4 / static activation scales), e.g. {foreign[:3]}; dequantise the checkpoint first"
+        )
+    pairs = {}  # quantised weight -> its scale
+    for key, value in state.items():
+        scale_key = _scale_key(state, key)
+        if scale_key is not None and (value.dtype == torch.float8_e4m3fn or value.dtype in _PACKED):
+            pairs[key] = scale_key
+    scales = set(pairs.values())
+    for key, value in state.items():
+        if key in pairs or key in scales or value.element_size() != 1:
+            continue
+        if value.dtype == torch.float8_e4m3fn or value.dtype in _PACKED:
+            raise ValueError(f"{where}: {key} is quantised but has no scale (.scale or .weight_scale_inv)")
+        raise ValueError(
+            f"{where}: {key} is {str(value.dtype).removeprefix('torch.')}; only float8_e4m3fn and packed "
+            "FP4 (int8 / uint8 with a scale) weights are dequantised"
+        )
+    out = {k: v for k, v in state.items() if k not in scales}
+    for key, scale_key in pairs.items():
+        try:
+            out[key] = dequantize_tensor(key, state[key], state[scale_key], block)
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+    done = len(pairs)
+    if done:
+        logger.info("%s: dequantised %d block-quantised weights to float32", where, done)
+    return out
