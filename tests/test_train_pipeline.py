@@ -243,17 +243,27 @@ def _dsv4_pp2_cp2_run(rank: int, world_size: int, dump: Path):
     run(dsv4_config(dump, *pp, *cp, "--checkpoint.enable", "false", "--training.steps", "3"))
 
 
+def _dsv4_pp2_ep2_run(rank: int, world_size: int, dump: Path):
+    """Pipeline and expert parallelism together: 2 stages x 2 data-parallel ranks, each stage's
+    MoE layers split over its 2 ranks (experts all-to-all inside the schedule's microbatches)."""
+    os.environ |= {"WORLD_SIZE": str(world_size), "RANK": str(rank), "LOCAL_RANK": str(rank)}
+    ep = ("--parallelism.expert_parallel_degree", "2")
+    pp = ("--parallelism.pipeline_parallel_degree", "2")
+    run(dsv4_config(dump, *pp, *ep, "--checkpoint.enable", "false", "--training.steps", "3"))
+
+
 @pytest.fixture(scope="module")
 def dsv4_runs(tmp_path_factory):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     base = tmp_path_factory.mktemp("pp_dsv4")
-    d = {name: base / name for name in ("one", "pp3", "pp3_from_pp1", "pp2_cp2")}
+    d = {name: base / name for name in ("one", "pp3", "pp3_from_pp1", "pp2_cp2", "pp2_ep2")}
     try:
         run(dsv4_config(d["one"]))
         shutil.copytree(d["one"] / "checkpoint" / "step-2", d["pp3_from_pp1"] / "checkpoint" / "step-2")
         spawn(_dsv4_pp3_runs, 3, d, timeout=600)
         spawn(_dsv4_pp2_cp2_run, 4, d["pp2_cp2"], timeout=600)
+        spawn(_dsv4_pp2_ep2_run, 4, d["pp2_ep2"], timeout=600)
     finally:
         torch.set_num_threads(threads)
     return d
@@ -261,14 +271,14 @@ def dsv4_runs(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.extended
-@pytest.mark.parametrize("layout", ["pp3", "pp3_from_pp1", "pp2_cp2"])
+@pytest.mark.parametrize("layout", ["pp3", "pp3_from_pp1", "pp2_cp2", "pp2_ep2"])
 def test_dsv4_pipeline_matches_one_process(dsv4_runs, layout):
     """Losses, MTP and indexer terms, gradient norms: the MTP's gradient into the embedding reaches
     stage 0's copy (and a one-process checkpoint restores both copies), or step 2 on would differ."""
     one, got = records(dsv4_runs["one"]), records(dsv4_runs[layout])
     if "from" in layout:
         one = one[2:]
-    if "cp2" in layout:  # 3 steps (4 processes on 2 cores)
+    if "2_" in layout:  # pp2_cp2, pp2_ep2: 3 steps (4 processes on 2 cores)
         one = one[:3]
     assert [r["step"] for r in got] == [r["step"] for r in one] and got
     for a, b in zip(one, got, strict=True):

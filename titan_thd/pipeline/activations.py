@@ -59,8 +59,9 @@ class _Document:
 
 def measure(spec: ModelSpec, args: Any, tokens: int, dtype: torch.dtype) -> SavedBytes:
     """Saved bytes of one forward + loss of `spec.build(args)` on one document of `tokens` tokens."""
-    torch.manual_seed(0)
-    model = spec.build(args).to(dtype).train()
+    with torch.random.fork_rng(devices=[]):  # the caller's RNG stream stays untouched
+        torch.manual_seed(0)
+        model = spec.build(args).to(dtype).train()
     rng = np.random.default_rng(0)
     doc = _Document(rng.integers(0, args.vocab_size, tokens), np.arange(tokens) > 0)
     batch = pack_microbatch([doc], tokens, 1, 0)
