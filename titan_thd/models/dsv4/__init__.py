@@ -14,7 +14,7 @@ from titan_thd.models.dsv4.args import CP_MODE, DSv4Args, flavors
 from titan_thd.models.dsv4.flops import flops_per_step
 from titan_thd.models.dsv4.hf_interop import check_hf, export_hf, load_hf, load_hf_into
 from titan_thd.models.dsv4.model import DSv4Model, build_dsv4, per_document_logits
-from titan_thd.models.dsv4.parallelize import parallelize_dsv4, tp_divides
+from titan_thd.models.dsv4.parallelize import apply_compile, parallelize_dsv4, tp_divides
 from titan_thd.models.spec import ModelSpec
 
 
@@ -48,6 +48,7 @@ spec = ModelSpec(
     check_hf=check_hf,
     padded_forward=per_document_logits,
     after_optimizer_step=update_router_bias,
+    compile=apply_compile,
 )
 
 __all__ = [

@@ -2,7 +2,7 @@
 
 from titan_thd.models.llama.args import LlamaArgs, flavors, flops_per_step
 from titan_thd.models.llama.model import Llama, build_llama, padded_logits
-from titan_thd.models.llama.parallelize import parallelize_llama, tp_divides
+from titan_thd.models.llama.parallelize import apply_compile, parallelize_llama, tp_divides
 from titan_thd.models.spec import ModelSpec
 
 spec = ModelSpec(
@@ -15,6 +15,7 @@ spec = ModelSpec(
     parallelize=parallelize_llama,
     padded_forward=padded_logits,
     tp_divides=tp_divides,
+    compile=apply_compile,
 )
 
 __all__ = ["Llama", "LlamaArgs", "build_llama", "flavors", "flops_per_step", "parallelize_llama", "spec"]
