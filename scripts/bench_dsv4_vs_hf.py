@@ -18,7 +18,10 @@ peak is measured here too (a large float32 matmul at the same thread count), so 
 (titan_thd.models.dsv4.flops, counted for titan_thd's work) / step time / peak. The main LM losses of
 the two sides are compared (mean per trained token).
 `--breakdown` adds, for titan_thd, the forward+backward time of every module kind (attention, MoE,
-mHC, ...) replayed on the inputs captured during one step.
+mHC, ...) replayed on the inputs captured during one step. `--compile` adds the side `compiled`:
+titan_thd with training.compile (regional torch.compile, docs/dsv4.md §18); its first step, which
+compiles (cold: an empty inductor cache), is reported as `compiled_first_step_s` (the warm-up keeps
+it out of the timed steps).
 """
 
 from __future__ import annotations
@@ -70,7 +73,7 @@ DISTS = {
     "short": (300, 0.6, 16, 2048),
     "long": (4000, 0.3, 1024, 8192),
 }
-SIDES = ("titan_thd", "hf", "before")
+SIDES = ("titan_thd", "hf", "before", "compiled")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -86,6 +89,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--breakdown", action="store_true", help="per-module fwd+bwd times of titan_thd")
     p.add_argument("--json", default="", help="write all figures to this file")
+    p.add_argument("--compile", action="store_true", help="also run titan_thd with training.compile")
     p.add_argument(
         "--before",
         default="",
@@ -199,6 +203,10 @@ def run_side(opts: argparse.Namespace) -> dict:
     ours = opts.side != "hf"
     if ours:
         model, _ = load_hf(opts.weights)
+        if opts.side == "compiled":
+            from titan_thd.models.dsv4 import spec
+
+            spec.compile(model)
         inputs = [pack_microbatch(docs, T, pad_to_multiple=1, pad_id=0) for docs in docs_per_mb]
         inputs = [(b, BatchMeta.from_batch(b)) for b in inputs]
     else:
@@ -281,7 +289,8 @@ def main() -> None:
     except ImportError:
         sys.exit("transformers is missing: install the `hf` extra (./scripts/setup_env.sh test,hf)")
 
-    sides = SIDES if opts.before else SIDES[:2]
+    sides = [s for s in SIDES if s in ("titan_thd", "hf") or (s == "before" and opts.before)]
+    sides += ["compiled"] if opts.compile else []
     peaks = []
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -298,7 +307,10 @@ def main() -> None:
                         cmd += ["--config", c, "--dist", d, "--weights", weights[c]]
                         if side == "before":
                             cmd += ["--code-root", opts.before]
-                        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+                        env = dict(os.environ)
+                        if side == "compiled":  # a cold compile every time: the first step a user pays
+                            env["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(dir=tmp)
+                        proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
                         if proc.returncode:
                             sys.exit(f"{c}/{d}/{side} failed:\n{proc.stderr}")
                         r = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -311,6 +323,7 @@ def main() -> None:
         for d in dists:
             ours, hf = results[f"{c}/{d}/titan_thd"], results[f"{c}/{d}/hf"]
             before = results.get(f"{c}/{d}/before")
+            comp = results.get(f"{c}/{d}/compiled")
             steps = len(ours["doc_lengths"])
             fl = flops_per_step(CONFIGS[c], [n for mb in ours["doc_lengths"] for n in mb]) / steps
             row = {
@@ -324,7 +337,7 @@ def main() -> None:
                 "ours_vs_hf": ours["tokens_per_s"] / hf["tokens_per_s"],
                 "ours_vs_hf_cpu": ours["cpu_tokens_per_s"] / hf["cpu_tokens_per_s"],
             }
-            for name, r in (("ours", ours), ("hf", hf), ("before", before)):
+            for name, r in (("ours", ours), ("hf", hf), ("before", before), ("compiled", comp)):
                 if r is None:
                     continue
                 row[f"{name}_tokens_per_s"] = r["tokens_per_s"]
@@ -340,6 +353,13 @@ def main() -> None:
                 row["ours_vs_before"] = ours["tokens_per_s"] / before["tokens_per_s"]
                 row["before_vs_hf"] = before["tokens_per_s"] / hf["tokens_per_s"]
                 row["ours_vs_before_cpu"] = ours["cpu_tokens_per_s"] / before["cpu_tokens_per_s"]
+            if comp is not None:
+                row["compiled_vs_ours"] = comp["tokens_per_s"] / ours["tokens_per_s"]
+                row["compiled_vs_ours_cpu"] = comp["cpu_tokens_per_s"] / ours["cpu_tokens_per_s"]
+                row["compiled_vs_hf"] = comp["tokens_per_s"] / hf["tokens_per_s"]
+                row["compiled_loss_max_rel_diff"] = max(
+                    abs(a - b) / abs(b) for a, b in zip(comp["losses"], ours["losses"])
+                )
             rows.append(row)
     cpu = cpu_name()
     print(
@@ -348,10 +368,11 @@ def main() -> None:
         f"{opts.steps} timed steps after {opts.warmup} warm-up, best of {opts.rounds} rounds; "
         f"matmul peak {peak:.0f} GFLOP/s; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
     )
-    names = [n for n in ("ours", "before", "hf") if f"{n}_tokens_per_s" in rows[0]]
+    names = [n for n in ("ours", "compiled", "before", "hf") if f"{n}_tokens_per_s" in rows[0]]
     head = ["config", "dist", "T", "real tok"]
     head += [f"{n} tok/s" for n in names] + ["ours/hf"] + (["ours/before"] if "before" in names else [])
     head += ["cpu ours/hf"] + (["cpu ours/bef"] if "before" in names else [])
+    head += ["cpu comp/ours", "comp 1st s"] if "compiled" in names else []
     head += [f"{n} MFU" for n in names if n != "hf"] + [f"{n} KB/tok" for n in names] + ["loss rel"]
     print("".join(f"{h:>12}" for h in head))
     for r in rows:
@@ -361,6 +382,8 @@ def main() -> None:
         cells += [f"{r['ours_vs_hf_cpu']:.2f}x"] + (
             [f"{r['ours_vs_before_cpu']:.2f}x"] if "before" in names else []
         )
+        if "compiled" in names:
+            cells += [f"{r['compiled_vs_ours_cpu']:.2f}x", f"{r['compiled_first_step_s']:.0f}"]
         cells += [f"{r[f'{n}_mfu']:.1%}" for n in names if n != "hf"]
         cells += [f"{r[f'{n}_kb_per_token']:.1f}" for n in names] + [f"{r['loss_max_rel_diff']:.1e}"]
         print("".join(f"{c:>12}" for c in cells))

@@ -140,6 +140,10 @@ class Training:
     """Parameter and compute dtype: `float32`, `bfloat16` or `float64` (exact parity checks)."""
     deterministic: bool = False
     """Use deterministic algorithms (for bitwise comparisons)."""
+    compile: bool = False
+    """Regional torch.compile (inductor) of the model's element-wise chains: the dsv4 mHC update,
+    norms and SwiGLU, the llama SwiGLU (docs/dsv4.md §18). The first step pays the compile
+    (tens of seconds on a CPU); the float64 results stay the eager ones up to rounding."""
 
 
 @dataclass

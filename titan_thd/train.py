@@ -173,6 +173,10 @@ class Trainer:
         if self.spec.parallelize is not None:  # each chunk is sharded as a model of its own
             chunks = [self.spec.parallelize(chunk, self.parallel_dims, p) for chunk in chunks]
             model = chunks[0] if len(chunks) == 1 else model
+        if t.compile:  # regional: swaps compiled element-wise functions into the modules (docs/dsv4.md §18)
+            assert self.spec.compile is not None, cfg.model.name
+            for chunk in chunks:
+                self.spec.compile(chunk)
         if fake:
             materialize_sharded(model)
         self.model = model.to(self.dist.device).train()

@@ -80,6 +80,10 @@ class ModelSpec:
     after_optimizer_step: Callable[[nn.Module, ProcessGroup | None], None] | None = None
     """(model, loss_group) -> None after every optimizer step; loss_group is the dp x cp group that
     sums the step's token losses (None on one rank), e.g. dsv4's router-bias update."""
+    compile: Callable[[nn.Module], None] | None = None
+    """(model chunk) -> None: training.compile, regional torch.compile in place of the model's
+    element-wise chains (titan_thd/models/compile.py), called on each chunk after `parallelize`;
+    None = that switch is refused."""
 
 
 def build_initialised(make: Callable[[], nn.Module]) -> nn.Module:

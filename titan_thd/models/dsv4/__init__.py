@@ -16,7 +16,7 @@ from titan_thd.models.dsv4.args import CP_MODE, DSv4Args, flavors
 from titan_thd.models.dsv4.flops import flops_per_step
 from titan_thd.models.dsv4.hf_interop import check_hf, export_hf, hf_args, load_hf, load_hf_into
 from titan_thd.models.dsv4.model import DSv4Model, build_dsv4, per_document_logits
-from titan_thd.models.dsv4.parallelize import parallelize_dsv4, tp_divides
+from titan_thd.models.dsv4.parallelize import apply_compile, parallelize_dsv4, tp_divides
 from titan_thd.models.spec import ModelSpec
 
 
@@ -75,6 +75,7 @@ spec = ModelSpec(
     padded_forward=per_document_logits,
     after_optimizer_step=update_router_bias,
     narrow=narrow,
+    compile=apply_compile,
 )
 
 __all__ = [

@@ -57,6 +57,8 @@ class Attention(nn.Module):
         self.wo_a = nn.Linear(H * D // args.o_groups, args.o_groups * args.o_lora_rank, bias=False)
         self.wo_b = nn.Linear(args.o_groups * args.o_lora_rank, args.dim, bias=False)
         self.attn_sink = nn.Parameter(torch.zeros(H))
+        self.head_norm = rms_norm
+        """Weightless per-head query norm; `apply_compile` swaps in its compiled form."""
         self.compressor = None
         self.indexer = None
         if layer_type != "sliding":
@@ -74,7 +76,7 @@ class Attention(nn.Module):
         x_RD = with_left_halo(x_TD, plan)
         cq_TQ = self.q_norm(self.wq_a(x_TD))
         q_THD = F.linear(cq_TQ, local(self.wq_b.weight)).view(T, -1, D)  # this rank's heads
-        q_THD = apply_rope(rms_norm(q_THD, self.eps).to(x_TD.dtype), *rope_q)
+        q_THD = apply_rope(self.head_norm(q_THD, self.eps).to(x_TD.dtype), *rope_q)
         kv_RD = apply_rope(self.kv_norm(self.wkv(x_RD)), *rope_k)
         # The window keys as a band: blocks of queries read contiguous key rows (docs/dsv4.md §16).
         band = window_band(plan.window_TW, plan.halo, min(self.block, T), kv_RD.shape[0])

@@ -26,6 +26,8 @@ class Block(nn.Module):
         hc = (args.hc_mult, args.dim, args.hc_sinkhorn_iters, args.hc_eps, args.norm_eps)
         self.hc_attn = HyperConnection(*hc)
         self.hc_ffn = HyperConnection(*hc)
+        self.hc_post = hc_post
+        """The mHC update; `apply_compile` swaps in its compiled form (titan_thd/models/compile.py)."""
 
     def forward(
         self, h_TND: torch.Tensor, tokens_T: torch.Tensor, plan: BatchPlan, with_kl: bool
@@ -33,7 +35,7 @@ class Block(nn.Module):
         """(new streams, indexer KL of this layer or None)."""
         x_TD, post_TN, comb_TNN = self.hc_attn(h_TND)
         y_TD, kl = self.attn(self.attn_norm(x_TD), plan, with_kl)
-        h_TND = hc_post(y_TD, h_TND, post_TN, comb_TNN)
+        h_TND = self.hc_post(y_TD, h_TND, post_TN, comb_TNN)
         x_TD, post_TN, comb_TNN = self.hc_ffn(h_TND)
         y_TD = self.ffn(self.ffn_norm(x_TD), tokens_T, plan.real_T)
-        return hc_post(y_TD, h_TND, post_TN, comb_TNN), kl
+        return self.hc_post(y_TD, h_TND, post_TN, comb_TNN), kl

@@ -32,6 +32,13 @@ from titan_thd.ops.grouped_linear import grouped_linear
 from titan_thd.parallel.tensor_parallel import local
 
 
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """silu(min(gate, L)) * clamp(up, -L, L) (no clamps for L <= 0)."""
+    if limit > 0:
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return F.silu(gate) * up
+
+
 class Expert(nn.Module):
     """Clamped SwiGLU: w2(silu(min(w1 x, L)) * clamp(w3 x, -L, L))."""
 
@@ -41,17 +48,17 @@ class Expert(nn.Module):
         self.w1 = nn.Linear(dim, hidden, bias=False)
         self.w2 = nn.Linear(hidden, dim, bias=False)
         self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.act = swiglu
+        """`apply_compile` swaps in its compiled form (titan_thd/models/compile.py)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # local(): under tensor parallelism this rank's hidden columns (a partial output).
         gate, up = F.linear(x, local(self.w1.weight)), F.linear(x, local(self.w3.weight))
-        if self.limit > 0:
-            gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
-        return F.linear(F.silu(gate) * up, local(self.w2.weight))
+        return F.linear(self.act(gate, up, self.limit), local(self.w2.weight))
 
 
 def grouped_experts(
-    x_ND: torch.Tensor, counts: list[int], experts: list[Expert], limit: float
+    x_ND: torch.Tensor, counts: list[int], experts: list[Expert], limit: float, act=swiglu
 ) -> torch.Tensor:
     """Clamped SwiGLU of rows sorted by expert: rows [sum(counts[:i]), sum(counts[:i+1])) go
     through experts[i]; one grouped matrix product per projection instead of one per expert."""
@@ -62,10 +69,7 @@ def grouped_experts(
     def project(h: torch.Tensor, name: str) -> torch.Tensor:
         return grouped_linear(h, counts, [local(getattr(e, name).weight) for e in experts])  # TP: the shard
 
-    gate, up = project(x_ND, "w1"), project(x_ND, "w3")
-    if limit > 0:
-        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
-    return project(F.silu(gate) * up, "w2")
+    return project(act(project(x_ND, "w1"), project(x_ND, "w3"), limit), "w2")
 
 
 def looped_experts(x_ND: torch.Tensor, counts: list[int], experts: list[Expert]) -> torch.Tensor:
@@ -82,8 +86,11 @@ class Experts(nn.ModuleDict):
     """The routed experts this rank holds, keyed by global id (`experts.<e>.w1`): a module of its
     own so that FSDP can gather them as one unit when they are sharded apart from their block."""
 
+    act = staticmethod(swiglu)
+    """The experts' activation; `apply_compile` swaps in its compiled form on the instance."""
+
     def forward(self, x_ND: torch.Tensor, counts: list[int], limit: float) -> torch.Tensor:
-        return grouped_experts(x_ND, counts, list(self.values()), limit)
+        return grouped_experts(x_ND, counts, list(self.values()), limit, self.act)
 
 
 class Gate(nn.Module):

@@ -22,9 +22,13 @@ from torch.distributed.tensor.parallel import (
 )
 
 from titan_thd.config import Parallelism
+from titan_thd.models.compile import compiled
 from titan_thd.models.dsv4.attention import Attention
+from titan_thd.models.dsv4.block import Block
+from titan_thd.models.dsv4.mhc import hc_post
 from titan_thd.models.dsv4.model import DSv4Model
-from titan_thd.models.dsv4.moe import MoE
+from titan_thd.models.dsv4.moe import Expert, Experts, MoE, swiglu
+from titan_thd.models.dsv4.norm import RMSNorm, rms_norm, weighted_rms_norm
 from titan_thd.parallel import expert_parallel
 from titan_thd.parallel.parallel_dims import ParallelDims
 from titan_thd.parallel.tensor_parallel import (
@@ -161,3 +165,18 @@ def apply_fsdp(
         reshard_after_forward=not parallel_dims.pp_enabled,
         other_units=list(expert_units),
     )
+
+
+def apply_compile(model: nn.Module) -> None:
+    """training.compile: regional torch.compile of the element-wise chains (docs/dsv4.md §18) — the
+    mHC update, every RMSNorm and the clamped SwiGLU of the experts. Works on any stage or shard of
+    the model (the compiled functions see plain local tensors), before or after `parallelize_dsv4`."""
+    for module in model.modules():
+        if isinstance(module, Block):
+            module.hc_post = compiled(hc_post)
+        elif isinstance(module, RMSNorm):
+            module.fn = compiled(weighted_rms_norm)
+        elif isinstance(module, Attention):
+            module.head_norm = compiled(rms_norm)
+        elif isinstance(module, (Expert, Experts)):
+            module.act = compiled(swiglu)

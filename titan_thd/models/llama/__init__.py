@@ -4,7 +4,7 @@ import dataclasses
 
 from titan_thd.models.llama.args import LlamaArgs, flavors, flops_per_step
 from titan_thd.models.llama.model import Llama, build_llama, padded_logits
-from titan_thd.models.llama.parallelize import parallelize_llama, tp_divides
+from titan_thd.models.llama.parallelize import apply_compile, parallelize_llama, tp_divides
 from titan_thd.models.spec import ModelSpec
 
 
@@ -31,6 +31,7 @@ spec = ModelSpec(
     padded_forward=padded_logits,
     tp_divides=tp_divides,
     narrow=narrow,
+    compile=apply_compile,
 )
 
 __all__ = ["Llama", "LlamaArgs", "build_llama", "flavors", "flops_per_step", "parallelize_llama", "spec"]

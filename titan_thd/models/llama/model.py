@@ -78,15 +78,21 @@ class Attention(nn.Module):
         return self.wo(o_BHSE.transpose(1, 2).reshape(B, S, -1))
 
 
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
 class FeedForward(nn.Module):
     def __init__(self, dim: int, hidden_dim: int):
         super().__init__()
         self.w1 = nn.Linear(dim, hidden_dim, bias=False)
         self.w2 = nn.Linear(hidden_dim, dim, bias=False)
         self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+        self.act = swiglu
+        """`apply_compile` swaps in its compiled form (titan_thd/models/compile.py)."""
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x_TD)) * self.w3(x_TD))
+        return self.w2(self.act(self.w1(x_TD), self.w3(x_TD)))
 
 
 class TransformerBlock(nn.Module):

@@ -18,7 +18,8 @@ from torch.distributed.tensor.parallel import (
 )
 
 from titan_thd.config import Parallelism
-from titan_thd.models.llama.model import Llama
+from titan_thd.models.compile import compiled
+from titan_thd.models.llama.model import FeedForward, Llama, swiglu
 from titan_thd.parallel.parallel_dims import ParallelDims
 
 
@@ -100,3 +101,12 @@ def apply_fsdp(model: Llama, parallel_dims: ParallelDims) -> None:
     blocks: list[nn.Module] = list(model.layers.values())
     # Under pipelining every microbatch would all-gather again after a reshard.
     fsdp.apply_fsdp(model, fsdp_mesh, blocks, reshard_after_forward=not parallel_dims.pp_enabled)
+
+
+def apply_compile(model: nn.Module) -> None:
+    """training.compile: regional torch.compile of the SwiGLU activation (docs/dsv4.md §18). Under
+    tensor parallelism its inputs are still plain local tensors (ColwiseParallel's local output);
+    the norms are left to torch's fused RMSNorm (DTensor inputs under sequence parallelism)."""
+    for module in model.modules():
+        if isinstance(module, FeedForward):
+            module.act = compiled(swiglu)
