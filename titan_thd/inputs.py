@@ -9,8 +9,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from titan_thd import pipeline
 from titan_thd.components.validation import check_path
@@ -100,6 +103,11 @@ def check_inputs(cfg: Config, world_size: int) -> tuple[ModelSpec, Tokenizer, An
         cfg.model.flavor = spec.default_flavor or next(iter(spec.flavors))
     flavor_args = get_model_args(cfg.model.name, cfg.model.flavor)
     label = model_label(cfg)
+    if t.compile and not torch.cuda.is_available() and not any(map(shutil.which, ("g++", "c++", "clang++"))):
+        raise ValueError(
+            "training.compile = true: torch.compile's CPU backend builds C++ kernels, and no C++ compiler "
+            "(g++, c++ or clang++) is on PATH; install one or set training.compile = false"
+        )
     _check_folder("job.dump_folder", job.dump_folder, Path(job.dump_folder), writable=True)
     if cfg.data.source != "packed":
         key = "data.cache_dir" if cfg.data.cache_dir else "job.dump_folder"

@@ -197,6 +197,8 @@ CASES = [
     Case("zero batch", ["--training.global_batch_size", "0"], ["training.global_batch_size", "got 0", "positive"]),
     Case("beta out of range", ["--optimizer.beta1", "1.5"], ["optimizer.beta1", "1.5", "0 <= value < 1"]),
     Case("bad choice", ["--training.dtype", "float16"], ["training.dtype", "'float16'", "float32, bfloat16"]),
+    Case("compile without a C++ compiler", ["--training.compile", "true"],
+         ["training.compile = true", "no C++ compiler", "g++"], env={"PATH": "/nonexistent"}),
     Case("cli value of the wrong type", ["--training.steps", "abc"],
          ["command line", "training.steps", "'abc'", "an integer"]),
     Case("cli key without value", ["--training.steps"], ["--training.steps needs a value"]),
