@@ -117,7 +117,7 @@ class Trainer:
             rank=self.parallel_dims.mesh_rank("cp"),
             group=None if cp_mesh is None else cp_mesh.get_group(),
             mode=resolve_mode(p.context_parallel_mode, cfg.model.name, self.spec.cp_mode),  # checked above
-            hybrid_threshold=p.hybrid_cp_threshold or t.tokens_per_microbatch // self.parallel_dims.cp,
+            hybrid_threshold=hybrid_threshold(cfg, self.parallel_dims),
         )
 
         # Offline-packed rows (data.source = packed) are read by the dataloader itself.
@@ -526,6 +526,11 @@ def progress_line(step: int, last_step: int, recent_step_times: collections.abc.
     )
 
 
+def hybrid_threshold(cfg: Config, dims: ParallelDims) -> int:
+    """The padded length from which hybrid CP splits a document (default T / cp)."""
+    return cfg.parallelism.hybrid_cp_threshold or cfg.training.tokens_per_microbatch // dims.cp
+
+
 def build_loader(
     cfg: Config,
     store,
@@ -553,6 +558,9 @@ def build_loader(
         # more of them in flight when K is not a multiple).
         microbatch_group=dims.pp if cfg.parallelism.pipeline_parallel_schedule == "Interleaved1F1B" else None,
         tokenizer=tokenizer,
+        hybrid_threshold=hybrid_threshold(cfg, dims)
+        if cfg.parallelism.context_parallel_mode == "hybrid"
+        else 0,
     )
     rows = getattr(loader.steps, "rows", None)
     if rows is not None and (rows.vocab_size, rows.pad_id) != (tokenizer.vocab_size, tokenizer.pad_id):

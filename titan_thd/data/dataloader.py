@@ -77,6 +77,9 @@ class _Steps(torch.utils.data.Dataset):
             step, self.global_batch_size, self.num_samples, self.seed, self.shuffle
         )
 
+    hybrid_threshold: int = 0
+    """> 0 under hybrid CP: the planner balances what each CP rank really carries (data/planner.py)."""
+
     def plan_and_pack(self, lengths: np.ndarray, sample, pad_id: int):
         """(plan of the step's documents over dp x cp, this replica's packed microbatches); `sample(p)`
         is the step's p-th document. For the sources planned every step (they set planner, cp_size,
@@ -89,6 +92,7 @@ class _Steps(torch.utils.data.Dataset):
             self.T,
             self.cost_attention,
             self.microbatch_group,
+            self.hybrid_threshold,
         )
         mine = [
             pack_microbatch([sample(p) for p in mb], self.T, self.pad_to_multiple, pad_id)
@@ -319,6 +323,7 @@ def build_dataloader(
     start_step: int = 0,
     microbatch_group: int | None = None,
     tokenizer=None,
+    hybrid_threshold: int = 0,
 ) -> THDDataLoader:
     """The loader of this DP replica. `store`: a TokenStore (may be None for `data.source = "packed"`,
     whose rows are read from `data.path`). Overlong samples are truncated or dropped first
@@ -359,4 +364,6 @@ def build_dataloader(
             microbatch_group=microbatch_group,
             **common,
         )
+    if not isinstance(steps, PackedRowSteps):  # rows packed offline are not planned
+        steps.hybrid_threshold = hybrid_threshold
     return THDDataLoader(steps, data_cfg.num_workers, start_step)

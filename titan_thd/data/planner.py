@@ -47,6 +47,8 @@ _ANCHORS = 16  # group exchanges: only groups with one of r's 16 costliest sampl
 _WINDOW = 4  # group exchanges: partner groups looked at on each side of a length
 _GOOD_ENOUGH = 1e-3  # stop once the slowest replica is within 0.1 % of the mean
 _MIN_GAIN = 1e-4  # or once the best exchange lowers it by less than 0.01 %
+_HYBRID_STEPS = 16  # hybrid_refine: accepted changes per plan
+_HYBRID_PARTNERS = 2  # and the cheapest replicas it looks at
 
 
 @dataclass
@@ -480,10 +482,99 @@ def make_plan(
     T: int,
     cost_attention: float,
     microbatch_group: int | None = None,
+    hybrid_threshold: int = 0,
 ) -> Plan:
-    """Dispatch on `training.planner`."""
+    """Dispatch on `training.planner`; `hybrid_threshold` > 0: hybrid CP (`hybrid_refine`)."""
     if policy == "balanced":
-        return plan_balanced(lengths, dp, cp, T, cost_attention, microbatch_group)
-    if policy == "dp_balanced":
-        return plan_dp_balanced(lengths, dp, cp, T, microbatch_group, cost_attention)
-    raise ValueError(f"training.planner: got {policy!r}, expected one of {', '.join(POLICIES)}")
+        plan = plan_balanced(lengths, dp, cp, T, cost_attention, microbatch_group)
+    elif policy == "dp_balanced":
+        plan = plan_dp_balanced(lengths, dp, cp, T, microbatch_group, cost_attention)
+    else:
+        raise ValueError(f"training.planner: got {policy!r}, expected one of {', '.join(POLICIES)}")
+    if hybrid_threshold and cp > 1:
+        lens = np.asarray(lengths, dtype=np.int64)
+        plan = hybrid_refine(plan, lens, sample_costs(lens, cost_attention), T, cp, hybrid_threshold)
+    return plan
+
+
+# ============================================================================ hybrid CP
+def hybrid_rank_costs(lens: list[int], costs: list[float], T: int, cp: int, threshold: int) -> list[float]:
+    """What each CP rank of one microbatch carries under hybrid CP (data/cp_partition.py): every split
+    document cost / cp, every whole one its full cost on the rank `hybrid_layout` puts it on."""
+    from titan_thd.data.cp_partition import hybrid_layout  # torch-side module; the planner is numpy
+
+    if not lens:
+        return [0.0] * cp
+    padded = [*lens, T - sum(lens)]  # the trailing padding document (real length 0)
+    layout = hybrid_layout([*lens, 0], padded, cp, threshold)
+    shared = sum(costs[i] for i in layout.split) / cp
+    return [shared + sum(costs[i] for i in docs) for docs in layout.whole]
+
+
+def hybrid_refine(plan: Plan, lens: np.ndarray, costs: np.ndarray, T: int, cp: int, threshold: int) -> Plan:
+    """The plan with the replicas balanced by what hybrid CP really costs them.
+
+    Under hybrid CP a microbatch takes as long as its most loaded CP rank, and a short document sits
+    whole on one rank, so a replica's cost is the sum over its microbatches of the largest rank cost
+    (`hybrid_rank_costs`), not its total / cp. Local search on that cost: a document of the slowest
+    replica moves to another microbatch (its own replica's or one of the cheapest replicas') with
+    room, or (when no move helps) two documents swap, whenever that lowers the slowest of the two
+    replicas involved below the old maximum; deterministic (first best move, ties to the lowest indices). `replica_costs` and `imbalance`
+    report the hybrid costs. Rows of a CP rank are T / cp whatever the placement, so a move only
+    needs the microbatch's token total to fit T."""
+    mbs = [[list(mb) for mb in replica] for replica in plan.microbatches]
+    memo: dict[tuple[int, ...], float] = {}
+
+    def mb_cost(mb: list[int]) -> float:
+        key = tuple(mb)
+        if key not in memo:
+            ls, cs = [int(lens[i]) for i in mb], [float(costs[i]) for i in mb]
+            memo[key] = max(hybrid_rank_costs(ls, cs, T, cp, threshold))
+        return memo[key]
+
+    cost = [[mb_cost(mb) for mb in replica] for replica in mbs]
+
+    def best_change(r: int, swaps: bool, totals: list[float]):
+        """The change that lowers the slowest replica r the most (None if none lowers it)."""
+        best, bar = None, totals[r] * (1 - _MIN_GAIN)
+        partners = sorted(range(len(mbs)), key=lambda q: (totals[q], q))[:_HYBRID_PARTNERS]
+        for q in dict.fromkeys([r, *partners]):
+            for a, mb_a in enumerate(mbs[r]):
+                free_a = T - int(lens[mb_a].sum())
+                for b, mb_b in enumerate(mbs[q]):
+                    if q == r and a == b:
+                        continue
+                    free_b = T - int(lens[mb_b].sum())
+                    for i in mb_a:
+                        for j in mb_b if swaps else [None]:
+                            n_j = 0 if j is None else int(lens[j])
+                            if int(lens[i]) > free_b + n_j or n_j > free_a + int(lens[i]):
+                                continue
+                            new_a = sorted([k for k in mb_a if k != i] + ([] if j is None else [j]))
+                            ca = mb_cost(new_a)
+                            if q != r and totals[r] - cost[r][a] + ca >= bar:
+                                continue  # r does not get faster: no need to price the other side
+                            new_b = sorted([k for k in mb_b if k != j] + [i])
+                            cb = mb_cost(new_b)
+                            if q == r:
+                                worst = totals[r] - cost[r][a] - cost[r][b] + ca + cb
+                            else:
+                                worst = max(totals[r] - cost[r][a] + ca, totals[q] - cost[q][b] + cb)
+                            if worst < bar and (best is None or worst < best[0]):
+                                best = (worst, q, a, b, new_a, new_b, ca, cb)
+        return best
+
+    for _ in range(_HYBRID_STEPS):
+        totals = [sum(c) for c in cost]
+        r = int(np.argmax(totals))
+        best = best_change(r, False, totals) or best_change(r, True, totals)  # moves before swaps
+        if best is None:
+            break
+        _, q, a, b, new_a, new_b, ca, cb = best
+        mbs[r][a], mbs[q][b], cost[r][a], cost[q][b] = new_a, new_b, ca, cb
+    for replica in mbs:
+        replica.sort(key=lambda mb: (not mb, mb[0] if mb else 0))
+    replica_costs = [sum(mb_cost(mb) for mb in replica) for replica in mbs]
+    mean = sum(replica_costs) / len(replica_costs)
+    imbalance = max(replica_costs) / mean if mean > 0 else 1.0
+    return Plan(mbs, replica_costs, imbalance)
