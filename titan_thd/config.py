@@ -24,6 +24,7 @@ from typing import Any, Literal
 
 from titan_thd.data.planner import Policy
 from titan_thd.data.sources import Schema
+from titan_thd.jsonfile import read_json_object
 from titan_thd.parallel.context_parallel import CPConfigMode
 
 if sys.version_info >= (3, 11):
@@ -400,18 +401,7 @@ def _coerce(key: str, value: Any, typ: Any, from_cli: bool) -> Any:
 def _json_table(key: str, value: str) -> dict:
     """The JSON object of file `value` (relative to the working directory); ValueError naming the file
     and, for bad JSON, its line and column."""
-    path = Path(value).expanduser().absolute()
-    try:
-        table = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ValueError(f"{key} = {value!r}: {path} does not exist") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{key} = {value!r}: {path}: invalid JSON: {e}") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"{key} = {value!r}: cannot read {path}: {e}") from None
-    if not isinstance(table, dict):
-        raise ValueError(f"{key} = {value!r}: {path} holds a JSON {type(table).__name__}, expected an object")
-    return table
+    return read_json_object(Path(value).expanduser().absolute(), prefix=f"{key} = {value!r}: ")
 
 
 # ============================================================================ loading

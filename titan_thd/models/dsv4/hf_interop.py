@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from titan_thd.jsonfile import read_json_object
 from titan_thd.models.dsv4.args import DSv4Args, flavors
 from titan_thd.models.dsv4.hf_dequant import check_quantization_config, dequantize_state
 from titan_thd.models.dsv4.model import DSv4Model, build_dsv4
@@ -414,17 +415,7 @@ def read_hf_config(path: str | Path) -> dict:
         raise ValueError(
             f"{path}: not a folder (expected a Hugging Face folder with config.json + *.safetensors)"
         )
-    try:
-        cfg = json.loads(cfg_file.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ValueError(f"{cfg_file} does not exist (a Hugging Face folder holds config.json)") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{cfg_file}: invalid JSON: {e}") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"{cfg_file}: cannot read: {e}") from None
-    if not isinstance(cfg, dict):
-        raise ValueError(f"{cfg_file}: expected a JSON object, got {type(cfg).__name__}")
-    return cfg
+    return read_json_object(cfg_file, missing=" (a Hugging Face folder holds config.json)")
 
 
 def hf_args(path: str | Path) -> DSv4Args:
