@@ -94,10 +94,13 @@ def _check_inputs(lengths, dp: int, cp: int, T: int, policy: str) -> np.ndarray:
 
 
 def _finish(microbatches: list[list[list[int]]], costs: np.ndarray, cp: int) -> Plan:
-    replica = np.array([sum(costs[i] for mb in mbs for i in mb) for mbs in microbatches]) / cp
-    mean = float(replica.mean())
-    imbalance = float(replica.max()) / mean if mean > 0 else 1.0
-    return Plan(microbatches, [float(c) for c in replica], imbalance)
+    replica = [sum(float(costs[i]) for mb in mbs for i in mb) / cp for mbs in microbatches]
+    return _with_imbalance(microbatches, replica)
+
+
+def _with_imbalance(microbatches: list[list[list[int]]], replica_costs: list[float]) -> Plan:
+    mean = sum(replica_costs) / len(replica_costs)
+    return Plan(microbatches, replica_costs, max(replica_costs) / mean if mean > 0 else 1.0)
 
 
 # ============================================================================ dp_balanced
@@ -519,8 +522,8 @@ def hybrid_refine(plan: Plan, lens: np.ndarray, costs: np.ndarray, T: int, cp: i
     (`hybrid_rank_costs`), not its total / cp. Local search on that cost: a document of the slowest
     replica moves to another microbatch (its own replica's or one of the cheapest replicas') with
     room, or (when no move helps) two documents swap, whenever that lowers the slowest of the two
-    replicas involved below the old maximum; deterministic (first best move, ties to the lowest indices). `replica_costs` and `imbalance`
-    report the hybrid costs. Rows of a CP rank are T / cp whatever the placement, so a move only
+    replicas involved below the old maximum; the best such change each time, ties to the first
+    found (deterministic). `replica_costs` and `imbalance` report the hybrid costs. Rows of a CP rank are T / cp whatever the placement, so a move only
     needs the microbatch's token total to fit T."""
     mbs = [[list(mb) for mb in replica] for replica in plan.microbatches]
     memo: dict[tuple[int, ...], float] = {}
@@ -574,7 +577,4 @@ def hybrid_refine(plan: Plan, lens: np.ndarray, costs: np.ndarray, T: int, cp: i
         mbs[r][a], mbs[q][b], cost[r][a], cost[q][b] = new_a, new_b, ca, cb
     for replica in mbs:
         replica.sort(key=lambda mb: (not mb, mb[0] if mb else 0))
-    replica_costs = [sum(mb_cost(mb) for mb in replica) for replica in mbs]
-    mean = sum(replica_costs) / len(replica_costs)
-    imbalance = max(replica_costs) / mean if mean > 0 else 1.0
-    return Plan(mbs, replica_costs, imbalance)
+    return _with_imbalance(mbs, [sum(mb_cost(mb) for mb in replica) for replica in mbs])
