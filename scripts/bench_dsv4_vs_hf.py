@@ -4,7 +4,8 @@
 
 Both sides run the same weights (titan_thd builds the model, `export_hf` writes it, both load that
 directory) on the same documents, in float32:
-- titan_thd: the documents of a microbatch packed into one THD stream of T rows (tail padding),
+- titan_thd: the documents of a microbatch (up to T tokens) packed into one THD stream that ends
+  after its last document, as the trainer packs them (data.trim_padding),
   training mode: LM cross-entropy + MTP + the indexer KL, one backward;
 - transformers: the same documents one at a time ([1, L], no padding, the obvious alternative since
   its model is not document-aware), training mode, LM cross-entropy summed over documents, one
@@ -135,6 +136,14 @@ def rss_mb() -> float:
         return int(f.read().split()[1]) * resource.getpagesize() / 2**20
 
 
+def _pack(docs: list[Document], T: int):
+    """The documents in one stream without tail padding, as the trainer packs them (data.trim_padding)."""
+    try:
+        return pack_microbatch(docs, T, 1, 0, rows_multiple=1)
+    except TypeError:  # a --before checkout older than data.trim_padding: its T rows
+        return pack_microbatch(docs, T, 1, 0)
+
+
 def _ours_step(model, batch, meta) -> tuple[torch.Tensor, float, int]:
     meta.labels_full, meta.loss_mask_full = batch.labels, batch.loss_mask
     out = model(batch.tokens, meta)
@@ -207,7 +216,7 @@ def run_side(opts: argparse.Namespace) -> dict:
             from titan_thd.models.dsv4 import spec
 
             spec.compile(model)
-        inputs = [pack_microbatch(docs, T, pad_to_multiple=1, pad_id=0) for docs in docs_per_mb]
+        inputs = [_pack(docs, T) for docs in docs_per_mb]
         inputs = [(b, BatchMeta.from_batch(b)) for b in inputs]
     else:
         import transformers

@@ -1,7 +1,8 @@
 """THD packing vs per-batch padding: real tokens/s of one dense llama training step on CPU.
 
 Both variants run the same model (same weights) on the same documents, microbatch by microbatch:
-- thd:    the documents of a microbatch concatenated into one [T] stream (tail padding up to T),
+- thd:    the documents of a microbatch concatenated into one stream (no tail padding: the
+          trainer's data.trim_padding),
           attention = titan_thd.ops.varlen_attention (a per-document causal SDPA loop);
 - padded: the same documents as a [B, S_max] batch padded to the longest one, attention = one
           `scaled_dot_product_attention(is_causal=True)` on [B, H, S_max, D] (padding sits at the
@@ -99,7 +100,7 @@ def microbatch(docs: list[Document], variant: str, T: int) -> tuple[PackedBatch,
     """thd: the documents in one [T] stream. padded: every document padded to the longest, which is
     the [B, S_max] batch flattened token-major (rows of one document are contiguous either way)."""
     if variant == "thd":
-        batch = pack_microbatch(docs, T, pad_to_multiple=1, pad_id=0)
+        batch = pack_microbatch(docs, T, pad_to_multiple=1, pad_id=0, rows_multiple=1)  # as data.trim_padding
     else:
         s_max = max(len(d.input_ids) for d in docs)
         batch = pack_microbatch(docs, s_max * len(docs), pad_to_multiple=s_max, pad_id=0)

@@ -107,6 +107,12 @@ class Data:
     context_parallel_degree for zigzag and hybrid (each split document is cut into 2 * cp chunks), 1
     for contiguous CP or none (set by the start-up checks, which know the model's CP mode; an explicit
     value must satisfy the mode)."""
+    trim_padding: bool = True
+    """End each microbatch after its last document (rounded up to a multiple of pad_to_multiple x
+    context x tensor parallel degrees) instead of padding it to training.tokens_per_microbatch rows:
+    no compute is spent on tail padding (the plan spreads a step's documents over its microbatches, so
+    they are rarely full). Pipeline parallelism always uses full microbatches (fixed shapes between
+    stages); false does so everywhere (fixed shapes, e.g. for CUDA graphs)."""
     overlong: Literal["truncate", "drop"] = "truncate"
     """Documents longer than training.tokens_per_microbatch: `truncate` or `drop` (both counted)."""
     num_workers: int = 0

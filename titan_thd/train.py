@@ -531,6 +531,14 @@ def hybrid_threshold(cfg: Config, dims: ParallelDims) -> int:
     return cfg.parallelism.hybrid_cp_threshold or cfg.training.tokens_per_microbatch // dims.cp
 
 
+def rows_multiple(cfg: Config, dims: ParallelDims) -> int:
+    """What a trimmed microbatch's rows are a multiple of (packer.microbatch_rows); 0 = full T rows."""
+    if not cfg.data.trim_padding or dims.pp > 1:
+        return 0
+    # Every CP rank gets rows / cp of them, which sequence-parallel TP splits tp ways.
+    return math.lcm(cfg.data.pad_to_multiple, dims.cp * dims.tp)
+
+
 def build_loader(
     cfg: Config,
     store,
@@ -561,6 +569,7 @@ def build_loader(
         hybrid_threshold=hybrid_threshold(cfg, dims)
         if cfg.parallelism.context_parallel_mode == "hybrid"
         else 0,
+        rows_multiple=rows_multiple(cfg, dims),
     )
     rows = getattr(loader.steps, "rows", None)
     if rows is not None and (rows.vocab_size, rows.pad_id) != (tokenizer.vocab_size, tokenizer.pad_id):
@@ -579,7 +588,15 @@ def build_validator(
     if store is None:
         return None
     cost = cfg.training.planner_cost_attention or attention_cost_weight(spec, model_args)
-    return Validator(cfg, store, dp_rank=dp_rank, dp_size=dims.dp, cp_size=dims.cp, cost_attention=cost)
+    return Validator(
+        cfg,
+        store,
+        dp_rank=dp_rank,
+        dp_size=dims.dp,
+        cp_size=dims.cp,
+        cost_attention=cost,
+        rows_multiple=rows_multiple(cfg, dims),
+    )
 
 
 def preflight(cfg: Config) -> None:

@@ -32,7 +32,7 @@ def make_store(lengths, seed=0):
 STORE = make_store(np.random.default_rng(0).integers(4, 120, 50))
 
 
-def loader(dp_rank=0, dp_size=2, num_workers=0, start_step=0, store=STORE, **data):
+def loader(dp_rank=0, dp_size=2, num_workers=0, start_step=0, store=STORE, rows_multiple=0, **data):
     cfg = Data(pad_to_multiple=4, num_workers=num_workers, **data)
     return build_dataloader(
         cfg,
@@ -46,6 +46,7 @@ def loader(dp_rank=0, dp_size=2, num_workers=0, start_step=0, store=STORE, **dat
         planner="balanced",
         cost_attention=1e-3,
         start_step=start_step,
+        rows_multiple=rows_multiple,
     )
 
 
@@ -102,6 +103,30 @@ def test_step_covers_the_global_batch_across_replicas():
         assert sorted(b.doc_lengths) == sorted(STORE.lengths[ids].tolist())
         assert b.slot_tokens == 2 * b.num_microbatches * T
         assert b.imbalance >= 1.0
+
+
+def test_trimmed_steps_hold_the_same_documents_in_fewer_rows():
+    """rows_multiple: the same plan, every microbatch cut after its documents (a multiple of 8 rows,
+    the lcm with pad_to_multiple 4); slot_tokens counts the rows of both replicas."""
+    for step in range(3):
+        full = [loader(dp_rank=r, start_step=step) for r in range(2)]
+        trim = [loader(dp_rank=r, start_step=step, rows_multiple=8) for r in range(2)]
+        fb, tb = [next(ld) for ld in full], [next(ld) for ld in trim]
+        rows = 0
+        for f, t in zip(fb, tb, strict=True):
+            assert documents(f) == documents(t)
+            assert (f.num_microbatches, f.trained_tokens, f.real_tokens) == (
+                t.num_microbatches,
+                t.trained_tokens,
+                t.real_tokens,
+            )
+            for a, b in zip(f.microbatches, t.microbatches, strict=True):
+                n = b.total_tokens
+                used = int(a.seqlens_padded[a.seqlens > 0].sum())
+                assert n % 8 == 0 and max(8, used) <= n < used + 8 and n <= T
+                assert torch.equal(b.tokens, a.tokens[:n]) and torch.equal(b.labels, a.labels[:n])
+                rows += n
+        assert tb[0].slot_tokens == tb[1].slot_tokens == rows < fb[0].slot_tokens
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])

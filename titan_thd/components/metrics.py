@@ -6,7 +6,8 @@ Definitions (docs/design.md §3.6). Token counts are global (all data-parallel r
                   and added to it for the gradient)
     tps           real (non-padding) tokens per second of the whole job
     tps_per_rank  tps / world size
-    padding_frac  1 - tokens_real / tokens_slots (slots = microbatches x T x data-parallel degree)
+    padding_frac  1 - tokens_real / tokens_slots (slots = the rows computed: microbatches x T x
+                  data-parallel degree, fewer with data.trim_padding)
     tflops        model FLOPs per second per rank (attention from real document lengths)
     mfu           tflops as a percentage of one rank's peak: `metrics.peak_tflops`, or a measured
                   matmul peak of the compute dtype divided by the ranks that share a CPU

@@ -87,6 +87,7 @@ class Validator:
         dp_size: int,
         cp_size: int,
         cost_attention: float,
+        rows_multiple: int = 0,
     ):
         v, t = cfg.validation, cfg.training
         self.freq, self.last_step, self.compare_padded = v.freq, t.steps, v.compare_padded
@@ -103,6 +104,7 @@ class Validator:
             seed=t.seed,
             shuffle=False,
         )
+        self.batches.rows_multiple = rows_multiple  # a multiple of pad_to_multiple (train.rows_multiple)
         available = -(-self.batches.num_samples // t.global_batch_size)
         self.num_batches = min(available, v.max_batches) if v.max_batches else available
         self.num_docs = min(self.batches.num_samples, self.num_batches * t.global_batch_size)

@@ -22,6 +22,7 @@ replica d takes rows [d*G/dp, (d+1)*G/dp) of the step's rows (`PackedRowSteps`).
 
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import dataclass
 
@@ -33,7 +34,7 @@ from titan_thd.data import sampler
 from titan_thd.data.bridge_pack import BRIDGE_FORMAT
 from titan_thd.data.packed_batch import PackedBatch
 from titan_thd.data.packed_dataset import PackedRows
-from titan_thd.data.packer import pack_microbatch, padded_lengths
+from titan_thd.data.packer import microbatch_rows, pack_microbatch, padded_lengths
 from titan_thd.data.packs import open_pack
 from titan_thd.data.planner import make_plan, sample_costs
 
@@ -50,7 +51,8 @@ class StepBatch:
     real_tokens: int
     """GLOBAL real (non-padding) tokens."""
     slot_tokens: int
-    """GLOBAL token slots = dp * num_microbatches * T."""
+    """GLOBAL rows computed: the rows of every replica's microbatches (dp * num_microbatches * T
+    without data.trim_padding)."""
     doc_lengths: list[int]
     """GLOBAL real document lengths of the step (for FLOPs)."""
     imbalance: float
@@ -79,6 +81,13 @@ class _Steps(torch.utils.data.Dataset):
 
     hybrid_threshold: int = 0
     """> 0 under hybrid CP: the planner balances what each CP rank really carries (data/planner.py)."""
+    rows_multiple: int = 0
+    """> 0 (data.trim_padding): a microbatch ends at the first multiple of this after its last
+    document instead of at T (`packer.microbatch_rows`); 0: every microbatch has T rows."""
+
+    def rows_of(self, used_per_microbatch) -> int:
+        """Rows computed for microbatches whose documents take these padded token counts."""
+        return sum(microbatch_rows(int(u), self.T, self.rows_multiple) for u in used_per_microbatch)
 
     def plan_and_pack(self, lengths: np.ndarray, sample, pad_id: int):
         """(plan of the step's documents over dp x cp, this replica's packed microbatches); `sample(p)`
@@ -95,10 +104,12 @@ class _Steps(torch.utils.data.Dataset):
             self.hybrid_threshold,
         )
         mine = [
-            pack_microbatch([sample(p) for p in mb], self.T, self.pad_to_multiple, pad_id)
+            pack_microbatch([sample(p) for p in mb], self.T, self.pad_to_multiple, pad_id, self.rows_multiple)
             for mb in plan.microbatches[self.dp_rank]
         ]
-        return plan, mine
+        padded = padded_lengths(lengths, self.pad_to_multiple)
+        slots = self.rows_of(padded[list(mb)].sum() for replica in plan.microbatches for mb in replica)
+        return plan, mine, slots
 
 
 class PlannedSteps(_Steps):
@@ -124,14 +135,14 @@ class PlannedSteps(_Steps):
     def __getitem__(self, step: int) -> StepBatch:
         ids = self.sample_ids(step)
         lengths = self.store.lengths[ids]
-        plan, mine = self.plan_and_pack(lengths, lambda p: self.store[ids[p]], self.store.pad_id)
+        plan, mine, slots = self.plan_and_pack(lengths, lambda p: self.store[ids[p]], self.store.pad_id)
         return StepBatch(
             step=step,
             microbatches=mine,
             num_microbatches=plan.num_microbatches,
             trained_tokens=int(self.store.num_targets[ids].sum()),
             real_tokens=int(lengths.sum()),
-            slot_tokens=self.dp_size * plan.num_microbatches * self.T,
+            slot_tokens=slots,
             doc_lengths=lengths.tolist(),
             imbalance=plan.imbalance,
         )
@@ -172,9 +183,12 @@ class PackedRowSteps(_Steps):
         )
         replica = costs.reshape(self.dp_size, per).sum(axis=1)
         mine = [
-            pack_microbatch(self.rows.samples(int(i)), self.T, self.rows.pad_to_multiple, self.rows.pad_id)
+            pack_microbatch(
+                self.rows.samples(int(i)), self.T, self.rows.pad_to_multiple, self.rows.pad_id, self.rows_multiple
+            )
             for i in ids[self.dp_rank * per : (self.dp_rank + 1) * per]
         ]
+        used = [padded_lengths(d, self.rows.pad_to_multiple).sum() for d in doc_lengths]
         all_docs = np.concatenate(doc_lengths)
         return StepBatch(
             step=step,
@@ -182,7 +196,7 @@ class PackedRowSteps(_Steps):
             num_microbatches=per,
             trained_tokens=int(self.rows.num_targets[ids].sum()),
             real_tokens=int(all_docs.sum()),
-            slot_tokens=self.global_batch_size * self.T,
+            slot_tokens=self.rows_of(used),
             doc_lengths=all_docs.tolist(),
             imbalance=float(replica.max() / replica.mean()) if replica.mean() > 0 else 1.0,
         )
@@ -237,7 +251,7 @@ class RepackedSteps(_Steps):
                 )
             docs, lengths = docs[keep], lengths[keep]
         lengths = np.minimum(lengths, self.T)
-        plan, mine = self.plan_and_pack(
+        plan, mine, slots = self.plan_and_pack(
             lengths, lambda p: self.rows.doc(int(docs[p]), self.T), self.rows.pad_id
         )
         return StepBatch(
@@ -246,7 +260,7 @@ class RepackedSteps(_Steps):
             num_microbatches=plan.num_microbatches,
             trained_tokens=int(self.rows.doc_targets(docs, self.T).sum()),
             real_tokens=int(lengths.sum()),
-            slot_tokens=self.dp_size * plan.num_microbatches * self.T,
+            slot_tokens=slots,
             doc_lengths=lengths.tolist(),
             imbalance=plan.imbalance,
         )
@@ -324,11 +338,13 @@ def build_dataloader(
     microbatch_group: int | None = None,
     tokenizer=None,
     hybrid_threshold: int = 0,
+    rows_multiple: int = 0,
 ) -> THDDataLoader:
     """The loader of this DP replica. `store`: a TokenStore (may be None for `data.source = "packed"`,
     whose rows are read from `data.path`). Overlong samples are truncated or dropped first
     (`data.overlong`; counted in `overlong_counts`). `tokenizer` gives the pad id and vocabulary of
-    packs that do not record them (Megatron-Bridge packs)."""
+    packs that do not record them (Megatron-Bridge packs). `rows_multiple` > 0 ends each microbatch
+    after its documents (data.trim_padding; packer.microbatch_rows)."""
     common = {
         "dp_rank": dp_rank,
         "dp_size": dp_size,
@@ -366,4 +382,7 @@ def build_dataloader(
         )
     if not isinstance(steps, PackedRowSteps):  # rows packed offline are not planned
         steps.hybrid_threshold = hybrid_threshold
+    if rows_multiple:  # documents are padded to the source's multiple, so rows come in it too
+        own = steps.rows.pad_to_multiple if isinstance(steps, PackedRowSteps) else steps.pad_to_multiple
+        steps.rows_multiple = math.lcm(rows_multiple, own)
     return THDDataLoader(steps, data_cfg.num_workers, start_step)

@@ -1,7 +1,8 @@
 """PackedBatch: one THD microbatch for one data-parallel replica (docs/design.md §3.1).
 
 Legend (token-major, no batch dimension):
-    T   tokens in the microbatch (fixed by `training.tokens_per_microbatch`)
+    T   rows of the microbatch: its documents rounded up to a multiple (data.trim_padding), at most
+        `training.tokens_per_microbatch`; exactly that with pipeline parallelism (fixed shapes)
     N   documents in the microbatch, including the trailing padding document if any
 
 Conventions that every producer and consumer relies on:
