@@ -262,10 +262,14 @@ def test_trimmed_microbatches_train_exactly_like_full_ones(tmp_path, tiny_llama,
     (trim_b, trim_r, trim_w), (full_b, full_r, full_w) = runs["true"], runs["false"]
     T = 512
     assert all(mb.total_tokens == T for b in full_b for mb in b.microbatches)
-    assert sum(mb.total_tokens for b in trim_b for mb in b.microbatches) < 0.9 * sum(b.slot_tokens for b in full_b)
+    assert sum(mb.total_tokens for b in trim_b for mb in b.microbatches) < 0.9 * sum(
+        b.slot_tokens for b in full_b
+    )
     for a, b in zip(trim_r, full_r, strict=True):
         assert a.keys() == b.keys()
         for k in a:
             assert a[k] == pytest.approx(b[k], rel=1e-12), k
     for k in full_w:  # the weight-gradient sums run over other row counts: rounding (~1e-15) apart
-        torch.testing.assert_close(trim_w[k], full_w[k], rtol=1e-10, atol=1e-13, msg=lambda m, k=k: f"{k}: {m}")
+        torch.testing.assert_close(
+            trim_w[k], full_w[k], rtol=1e-10, atol=1e-13, msg=lambda m, k=k: f"{k}: {m}"
+        )

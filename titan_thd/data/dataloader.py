@@ -184,7 +184,11 @@ class PackedRowSteps(_Steps):
         replica = costs.reshape(self.dp_size, per).sum(axis=1)
         mine = [
             pack_microbatch(
-                self.rows.samples(int(i)), self.T, self.rows.pad_to_multiple, self.rows.pad_id, self.rows_multiple
+                self.rows.samples(int(i)),
+                self.T,
+                self.rows.pad_to_multiple,
+                self.rows.pad_id,
+                self.rows_multiple,
             )
             for i in ids[self.dp_rank * per : (self.dp_rank + 1) * per]
         ]

@@ -50,7 +50,9 @@ def pack_microbatch(
     if pad_to_multiple < 1 or T % pad_to_multiple:
         raise ValueError(f"T = {T} must be a positive multiple of data.pad_to_multiple = {pad_to_multiple}")
     if rows_multiple % pad_to_multiple:
-        raise ValueError(f"rows_multiple = {rows_multiple} must be a multiple of pad_to_multiple = {pad_to_multiple}")
+        raise ValueError(
+            f"rows_multiple = {rows_multiple} must be a multiple of pad_to_multiple = {pad_to_multiple}"
+        )
     seqlen_D = np.array([len(s.input_ids) for s in samples], dtype=np.int64)
     padded_D = padded_lengths(seqlen_D, pad_to_multiple)
     used = int(padded_D.sum())
