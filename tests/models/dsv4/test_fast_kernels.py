@@ -3,6 +3,8 @@
 - banded attention (window keys, HCA entry ranges) = per-query gathered keys = dense mask reference,
   forward and backward, with a CP-like halo, several documents, a partial last block;
 - Sinkhorn with the written-out backward = the plain autograd iteration;
+- the RMSNorms and the mHC mixing projection with written-out backwards = their formulas in plain
+  autograd ops (and finite differences);
 - the indexer KL from the attention kernel's lse = the KL that recomputes the window logits.
 """
 
@@ -16,7 +18,8 @@ import torch
 
 from titan_thd.models.dsv4.args import flavors
 from titan_thd.models.dsv4.indexer import Indexer, indexer_kl
-from titan_thd.models.dsv4.mhc import sinkhorn, sinkhorn_reference
+from titan_thd.models.dsv4.mhc import _mix, mix_formula, sinkhorn, sinkhorn_reference
+from titan_thd.models.dsv4.norm import rms_norm, rms_norm_formula, weighted_rms_norm, weighted_rms_norm_formula
 from titan_thd.models.dsv4.sparse_attention import dense_reference, sparse_mqa, window_band, with_entry_range
 
 T, H, D, W, HALO, C = 45, 3, 8, 6, 2, 7
@@ -79,6 +82,48 @@ def test_sinkhorn_backward_equals_autograd():
     (b,) = torch.autograd.grad((ref * w).sum(), x)
     assert a.abs().max() > 1e-3
     torch.testing.assert_close(a, b, rtol=0, atol=1e-13)
+
+
+@pytest.mark.parametrize("shape", [(37, 16), (11, 3, 8)])
+def test_rms_norms_backward_equals_autograd(shape):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(*shape, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(shape[-1], generator=g, dtype=torch.float64, requires_grad=True)
+    out_g = torch.randn(*shape, generator=g, dtype=torch.float64)
+    for fast, ref, args in (
+        (weighted_rms_norm, weighted_rms_norm_formula, (x, w)),
+        (rms_norm, rms_norm_formula, (x,)),
+    ):
+        a, b = fast(*args, 1e-6), ref(*args, 1e-6)
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-14)
+        ga = torch.autograd.grad((a * out_g).sum(), args)
+        gb = torch.autograd.grad((b * out_g).sum(), args)
+        for u, v in zip(ga, gb, strict=True):
+            assert u.abs().max() > 1e-2
+            torch.testing.assert_close(u, v, rtol=0, atol=1e-13)
+    assert torch.autograd.gradcheck(lambda a, b: weighted_rms_norm(a, b, 1e-6), (x[:4], w))
+    # bfloat16 activations and weights: computed in float32 like the formula, the output back in bf16.
+    xb, wb = x.detach().bfloat16().requires_grad_(), w.detach().bfloat16().requires_grad_()
+    a, b = weighted_rms_norm(xb, wb, 1e-6), weighted_rms_norm_formula(xb, wb, 1e-6)
+    assert a.dtype == torch.bfloat16 and torch.equal(a, b)
+    ga, gb = torch.autograd.grad(a.float().sum(), (xb, wb)), torch.autograd.grad(b.float().sum(), (xb, wb))
+    for u, v in zip(ga, gb, strict=True):
+        assert u.dtype == torch.bfloat16
+        torch.testing.assert_close(u.float(), v.float(), rtol=1e-2, atol=1e-2)
+
+
+def test_mhc_mix_backward_equals_autograd():
+    g = torch.Generator().manual_seed(4)
+    h = torch.randn(29, 4, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    fn = torch.randn(24, 32, generator=g, dtype=torch.float64, requires_grad=True)
+    a, b = _mix(h, fn, 1e-6), mix_formula(h, fn, 1e-6)
+    torch.testing.assert_close(a, b, rtol=0, atol=1e-13)
+    out_g = torch.randn(29, 24, generator=g, dtype=torch.float64)
+    ga, gb = torch.autograd.grad((a * out_g).sum(), (h, fn)), torch.autograd.grad((b * out_g).sum(), (h, fn))
+    for u, v in zip(ga, gb, strict=True):
+        assert u.abs().max() > 1e-2
+        torch.testing.assert_close(u, v, rtol=0, atol=1e-12)
+    assert torch.autograd.gradcheck(lambda x, f: _mix(x, f, 1e-6), (h[:3], fn))
 
 
 def test_indexer_kl_from_kernel_lse_equals_recomputed():

@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from titan_thd.models.dsv4.norm import inverse_rms
+
 
 def sinkhorn(logits_TNN: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     """Row softmax (the first row normalisation), then alternate column / row normalisations.
@@ -96,9 +98,40 @@ class HyperConnection(nn.Module):
 
 def _mix(h_TND: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm(flatten(h)) @ fn^T, as (flatten(h) @ fn^T) * rsqrt(mean(h^2) + eps): the same
-    value without materialising the normalised [T, N*d] copy."""
+    value without materialising the normalised [T, N*d] copy; backward written out (`_Mix`)."""
+    flat_TC = h_TND.flatten(1).to(torch.promote_types(h_TND.dtype, torch.float32))
+    return _Mix.apply(flat_TC, fn.to(flat_TC.dtype), eps)
+
+
+def mix_formula(h_TND: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
+    """`_mix` in plain autograd ops (test reference)."""
     flat = h_TND.flatten(1).to(torch.promote_types(h_TND.dtype, torch.float32))
     return F.linear(flat, fn.to(flat.dtype)) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + eps)
+
+
+class _Mix(torch.autograd.Function):
+    """out = (x fn^T) r, r = rsqrt(mean(x^2) + eps) per row, C = N*d. Saves x, the [T, M] raw
+    logits and r; the backward is two matrix products and one pass over x:
+        dfn = (g r)^T x,   dx = (g r) fn - x r^3 sum(g raw) / C
+    (autograd through the formula keeps x^2 too and runs the square's backward as a pow:
+    2x slower per hyper-connection at tiny, issue 13 note)."""
+
+    @staticmethod
+    def forward(ctx, x_TC, fn_MC, eps):
+        raw_TM = F.linear(x_TC, fn_MC)
+        r_T1 = inverse_rms(x_TC, eps)
+        ctx.save_for_backward(x_TC, fn_MC, raw_TM, r_T1)
+        return raw_TM * r_T1
+
+    @staticmethod
+    def backward(ctx, g_TM):
+        x_TC, fn_MC, raw_TM, r_T1 = ctx.saved_tensors
+        g_raw_TM = g_TM * r_T1
+        grad_fn = g_raw_TM.t() @ x_TC if ctx.needs_input_grad[1] else None
+        if not ctx.needs_input_grad[0]:
+            return None, grad_fn, None
+        c_T1 = (g_TM * raw_TM).sum(-1, keepdim=True).mul_(r_T1.pow(3)).div_(-x_TC.shape[-1])
+        return torch.addmm(x_TC * c_T1, g_raw_TM, fn_MC), grad_fn, None
 
 
 def _collapse(pre_TN: torch.Tensor, h_TND: torch.Tensor) -> torch.Tensor:

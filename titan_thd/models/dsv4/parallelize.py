@@ -28,7 +28,7 @@ from titan_thd.models.dsv4.block import Block
 from titan_thd.models.dsv4.mhc import hc_post
 from titan_thd.models.dsv4.model import DSv4Model
 from titan_thd.models.dsv4.moe import Expert, Experts, MoE, swiglu
-from titan_thd.models.dsv4.norm import RMSNorm, rms_norm, weighted_rms_norm
+from titan_thd.models.dsv4.norm import RMSNorm, rms_norm_formula, weighted_rms_norm_formula
 from titan_thd.parallel import expert_parallel
 from titan_thd.parallel.parallel_dims import ParallelDims
 from titan_thd.parallel.tensor_parallel import (
@@ -175,8 +175,8 @@ def apply_compile(model: nn.Module) -> None:
         if isinstance(module, Block):
             module.hc_post = compiled(hc_post)
         elif isinstance(module, RMSNorm):
-            module.fn = compiled(weighted_rms_norm)
+            module.fn = compiled(weighted_rms_norm_formula)  # inductor fuses the plain formula
         elif isinstance(module, Attention):
-            module.head_norm = compiled(rms_norm)
+            module.head_norm = compiled(rms_norm_formula)
         elif isinstance(module, (Expert, Experts)):
             module.act = compiled(swiglu)
