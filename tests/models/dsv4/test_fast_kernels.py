@@ -19,7 +19,12 @@ import torch
 from titan_thd.models.dsv4.args import flavors
 from titan_thd.models.dsv4.indexer import Indexer, indexer_kl
 from titan_thd.models.dsv4.mhc import _mix, mix_formula, sinkhorn, sinkhorn_reference
-from titan_thd.models.dsv4.norm import rms_norm, rms_norm_formula, weighted_rms_norm, weighted_rms_norm_formula
+from titan_thd.models.dsv4.norm import (
+    rms_norm,
+    rms_norm_formula,
+    weighted_rms_norm,
+    weighted_rms_norm_formula,
+)
 from titan_thd.models.dsv4.sparse_attention import dense_reference, sparse_mqa, window_band, with_entry_range
 
 T, H, D, W, HALO, C = 45, 3, 8, 6, 2, 7
