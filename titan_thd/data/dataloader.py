@@ -90,7 +90,8 @@ class _Steps(torch.utils.data.Dataset):
         return sum(microbatch_rows(int(u), self.T, self.rows_multiple) for u in used_per_microbatch)
 
     def plan_and_pack(self, lengths: np.ndarray, sample, pad_id: int):
-        """(plan of the step's documents over dp x cp, this replica's packed microbatches); `sample(p)`
+        """(plan of the step's documents over dp x cp, this replica's packed microbatches, the rows
+        of every replica's microbatches: slot_tokens); `sample(p)`
         is the step's p-th document. For the sources planned every step (they set planner, cp_size,
         pad_to_multiple, cost_attention and microbatch_group)."""
         plan = make_plan(
