@@ -29,9 +29,10 @@ byte one included, uses the simple template of chat_template.py.
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Iterable
 from pathlib import Path
+
+from titan_thd.jsonfile import read_json_object
 
 PAD, BOS, EOS = "<|pad|>", "<|bos|>", "<|eos|>"
 ROLE_TOKENS = {
@@ -209,14 +210,7 @@ def _configured_specials(config_path: Path) -> dict[str, str]:
     there is one."""
     if not config_path.is_file():
         return {}
-    try:
-        cfg = json.loads(config_path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{config_path}: invalid JSON: {e}") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"{config_path}: cannot read: {e}") from None
-    if not isinstance(cfg, dict):
-        raise ValueError(f"{config_path}: expected a JSON object, got {type(cfg).__name__}")
+    cfg = read_json_object(config_path)
     out = {}
     for kind in ("bos", "eos", "pad"):
         value = cfg.get(f"{kind}_token")
