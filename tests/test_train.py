@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.conftest import TRAIN_ARGS
-from titan_thd.components.loss import cross_entropy_sum
+from tests.models.dsv4._util import assert_loaded_and_first_ce
 from titan_thd.config import load_config
 from titan_thd.data.batch_meta import BatchMeta
 from titan_thd.data.packed_batch import IGNORE_INDEX
@@ -196,19 +196,9 @@ def test_hf_checkpoint_initialises_the_trainer_model(tmp_path, hf_checkpoint):
     reference, path = hf_checkpoint
     trainer = Trainer(_dsv4_cfg(tmp_path, path))
     try:
-        loaded = trainer.model.state_dict()
-        assert loaded.keys() == reference.state_dict().keys()
-        for name, value in reference.state_dict().items():
-            assert torch.equal(loaded[name], value), name
         # The first logged loss is the exported model's loss on the first step's batch.
+        ce = assert_loaded_and_first_ce(trainer, reference)
         step_batch = trainer.dataloader.steps[0]
-        with torch.no_grad():
-            ce = sum(
-                cross_entropy_sum(
-                    reference(mb.tokens, BatchMeta.from_batch(mb)).logits, mb.labels, mb.loss_mask
-                )
-                for mb in step_batch.microbatches
-            )
         trainer.train()
     finally:
         trainer.close()

@@ -6,6 +6,7 @@ import dataclasses
 
 import torch
 
+from titan_thd.components.loss import cross_entropy_sum
 from titan_thd.data.batch_meta import BatchMeta
 from titan_thd.data.packed_batch import IGNORE_INDEX, PackedBatch
 from titan_thd.models.dsv4 import DSv4Args, build_dsv4, flavors
@@ -72,3 +73,18 @@ def sub_batch(tokens: torch.Tensor, batch: PackedBatch, rows: slice) -> tuple[to
 
 def meta(batch: PackedBatch) -> BatchMeta:
     return BatchMeta.from_batch(batch)
+
+
+def assert_loaded_and_first_ce(trainer, reference: torch.nn.Module) -> torch.Tensor:
+    """The trainer's model holds exactly `reference`'s weights; returns `reference`'s CE sum on the
+    trainer's first step batch (what its first logged loss must equal, over the trained tokens)."""
+    loaded = trainer.model.state_dict()
+    assert loaded.keys() == reference.state_dict().keys()
+    for name, value in reference.state_dict().items():
+        assert torch.equal(loaded[name], value), name
+    step_batch = trainer.dataloader.steps[0]
+    with torch.no_grad():
+        return sum(
+            cross_entropy_sum(reference(mb.tokens, BatchMeta.from_batch(mb)).logits, mb.labels, mb.loss_mask)
+            for mb in step_batch.microbatches
+        )

@@ -14,9 +14,8 @@ import pytest
 import torch
 
 from tests.conftest import TRAIN_ARGS
-from titan_thd.components.loss import cross_entropy_sum
+from tests.models.dsv4._util import assert_loaded_and_first_ce
 from titan_thd.config import load_config
-from titan_thd.data.batch_meta import BatchMeta
 from titan_thd.inputs import check_inputs
 from titan_thd.models.dsv4 import DSv4Args, build_dsv4, export_hf, flavors
 from titan_thd.models.llama.args import flavors as llama_flavors
@@ -78,18 +77,8 @@ def test_architecture_comes_from_config_json_and_trains(tmp_path, checkpoint, on
     trainer = Trainer(_cfg(tmp_path, "--model.hf_path", str(path)))
     try:
         assert trainer.model_args.architecture() == ARGS.architecture()
-        loaded = trainer.model.state_dict()
-        assert loaded.keys() == reference.state_dict().keys()
-        for name, value in reference.state_dict().items():
-            assert torch.equal(loaded[name], value), name
+        ce = assert_loaded_and_first_ce(trainer, reference)
         step_batch = trainer.dataloader.steps[0]
-        with torch.no_grad():
-            ce = sum(
-                cross_entropy_sum(
-                    reference(mb.tokens, BatchMeta.from_batch(mb)).logits, mb.labels, mb.loss_mask
-                )
-                for mb in step_batch.microbatches
-            )
         trainer.train()
         after = trainer.model.state_dict()
         assert not torch.equal(
