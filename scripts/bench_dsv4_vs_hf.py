@@ -51,6 +51,7 @@ sys.path.insert(0, str(_ROOT))
 from titan_thd.data.batch_meta import BatchMeta  # noqa: E402
 from titan_thd.data.packed_batch import IGNORE_INDEX  # noqa: E402
 from titan_thd.data.packer import pack_microbatch  # noqa: E402
+from titan_thd.data.rows import RowRule  # noqa: E402
 from titan_thd.models.dsv4 import build_dsv4, export_hf, flavors, flops_per_step, load_hf  # noqa: E402
 
 VOCAB = 320
@@ -139,7 +140,7 @@ def rss_mb() -> float:
 def _pack(docs: list[Document], T: int):
     """The documents in one stream without tail padding, as the trainer packs them (data.trim_padding)."""
     try:
-        return pack_microbatch(docs, T, 1, 0, rows_multiple=1)
+        return pack_microbatch(docs, T, 1, 0, rule=RowRule(T, 1, 1, False))
     except TypeError:  # a --before checkout older than data.trim_padding: its T rows
         return pack_microbatch(docs, T, 1, 0)
 

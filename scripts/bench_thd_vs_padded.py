@@ -41,6 +41,7 @@ from titan_thd.data.batch_meta import BatchMeta
 from titan_thd.data.mock import mock_lengths
 from titan_thd.data.packed_batch import PackedBatch
 from titan_thd.data.packer import pack_microbatch, packer_throughput
+from titan_thd.data.rows import RowRule
 from titan_thd.models.llama import build_llama, flavors
 
 VARIANTS = ("thd", "padded")
@@ -100,7 +101,7 @@ def microbatch(docs: list[Document], variant: str, T: int) -> tuple[PackedBatch,
     """thd: the documents in one [T] stream. padded: every document padded to the longest, which is
     the [B, S_max] batch flattened token-major (rows of one document are contiguous either way)."""
     if variant == "thd":
-        batch = pack_microbatch(docs, T, pad_to_multiple=1, pad_id=0, rows_multiple=1)  # as data.trim_padding
+        batch = pack_microbatch(docs, T, pad_to_multiple=1, pad_id=0, rule=RowRule(T, 1, 1, False))  # trimmed
     else:
         s_max = max(len(d.input_ids) for d in docs)
         batch = pack_microbatch(docs, s_max * len(docs), pad_to_multiple=s_max, pad_id=0)

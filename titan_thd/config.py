@@ -108,8 +108,9 @@ class Data:
     for contiguous CP or none (set by the start-up checks, which know the model's CP mode; an explicit
     value must satisfy the mode)."""
     trim_padding: bool = True
-    """End each microbatch after its last document (rounded up to a multiple of pad_to_multiple x
-    context x tensor parallel degrees) instead of padding it to training.tokens_per_microbatch rows:
+    """End each microbatch after its last document (rounded up to what the layout needs: multiples of
+    pad_to_multiple, the CP split and cp x tp, at least cp x the model's CP halo; data/rows.py) instead
+    of padding it to training.tokens_per_microbatch rows:
     no compute is spent on tail padding (the plan spreads a step's documents over its microbatches, so
     they are rarely full). Pipeline parallelism always uses full microbatches (fixed shapes between
     stages); false does so everywhere (fixed shapes, e.g. for CUDA graphs)."""

@@ -18,10 +18,11 @@ import torch
 from titan_thd import pipeline
 from titan_thd.components.validation import check_path
 from titan_thd.config import Config, Parallelism, validate, virtual_stages
+from titan_thd.data.rows import RowRule, row_rule
 from titan_thd.data.tokenizer import Tokenizer, build_tokenizer
 from titan_thd.models import get_model_args, get_model_spec
 from titan_thd.models.spec import ModelSpec
-from titan_thd.parallel.context_parallel import CPMode, validate_context_parallel
+from titan_thd.parallel.context_parallel import CPMode, resolve_mode, validate_context_parallel
 from titan_thd.parallel.parallel_dims import ParallelDims
 from titan_thd.parallel.tensor_parallel import validate_tensor_parallel
 
@@ -163,6 +164,7 @@ def check_inputs(cfg: Config, world_size: int) -> tuple[ModelSpec, Tokenizer, An
         tokens_per_cp_rank=t.tokens_per_microbatch // p.context_parallel_degree,
         model=label,
     )
+    microbatch_rule(cfg, spec, model_args)  # the microbatches the loader can emit, T the largest of them
     try:
         dims = ParallelDims.from_config(p, world_size)
     except ValueError as e:
@@ -179,6 +181,24 @@ def check_inputs(cfg: Config, world_size: int) -> tuple[ModelSpec, Tokenizer, An
     if cfg.validation.enable and cfg.validation.compare_padded and spec.padded_forward is None:
         raise ValueError(f"validation.compare_padded = true: model {cfg.model.name} has no padded forward")
     return spec, tokenizer, model_args, dims
+
+
+def microbatch_rule(cfg: Config, spec: ModelSpec, model_args: Any) -> RowRule:
+    """The row counts every microbatch may have (data/rows.py): start-up refuses a T that breaks the rule,
+    the training and validation loaders size every microbatch by it. Needs data.pad_to_multiple resolved
+    (check_inputs does that)."""
+    p = cfg.parallelism
+    return row_rule(
+        T=cfg.training.tokens_per_microbatch,
+        pad_to_multiple=cfg.data.pad_to_multiple,
+        cp=p.context_parallel_degree,
+        cp_mode=resolve_mode(p.context_parallel_mode, cfg.model.name, spec.cp_mode),
+        tp=p.tensor_parallel_degree,
+        # Pipeline stages exchange fixed shapes: every microbatch has T rows.
+        fixed=not cfg.data.trim_padding or p.pipeline_parallel_degree > 1,
+        min_tokens_per_cp_rank=spec.min_tokens_per_cp_rank(model_args),
+        model=f"model {model_label(cfg)}",
+    )
 
 
 def default_pad_to_multiple(p: Parallelism, model_mode: CPMode) -> int:

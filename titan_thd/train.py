@@ -52,6 +52,7 @@ from titan_thd.inputs import (
     attention_cost_weight,
     check_inputs,
     env_world_size,
+    microbatch_rule,
     pipeline_stage_layers,
 )
 from titan_thd.models.spec import ModelSpec, as_dtype, count_params
@@ -531,14 +532,6 @@ def hybrid_threshold(cfg: Config, dims: ParallelDims) -> int:
     return cfg.parallelism.hybrid_cp_threshold or cfg.training.tokens_per_microbatch // dims.cp
 
 
-def rows_multiple(cfg: Config, dims: ParallelDims) -> int:
-    """What a trimmed microbatch's rows are a multiple of (packer.microbatch_rows); 0 = full T rows."""
-    if not cfg.data.trim_padding or dims.pp > 1:
-        return 0
-    # Every CP rank gets rows / cp of them, which sequence-parallel TP splits tp ways.
-    return math.lcm(cfg.data.pad_to_multiple, dims.cp * dims.tp)
-
-
 def build_loader(
     cfg: Config,
     store,
@@ -557,7 +550,7 @@ def build_loader(
         dp_rank=dp_rank,
         dp_size=dims.dp,
         cp_size=dims.cp,
-        tokens_per_microbatch=t.tokens_per_microbatch,
+        rule=microbatch_rule(cfg, spec, model_args),
         global_batch_size=t.global_batch_size,
         seed=t.seed,
         planner=t.planner,
@@ -569,7 +562,6 @@ def build_loader(
         hybrid_threshold=hybrid_threshold(cfg, dims)
         if cfg.parallelism.context_parallel_mode == "hybrid"
         else 0,
-        rows_multiple=rows_multiple(cfg, dims),
     )
     rows = getattr(loader.steps, "rows", None)
     if rows is not None and (rows.vocab_size, rows.pad_id) != (tokenizer.vocab_size, tokenizer.pad_id):
@@ -595,7 +587,7 @@ def build_validator(
         dp_size=dims.dp,
         cp_size=dims.cp,
         cost_attention=cost,
-        rows_multiple=rows_multiple(cfg, dims),
+        rule=microbatch_rule(cfg, spec, model_args),
     )
 
 

@@ -10,6 +10,7 @@ import torch
 
 from titan_thd.config import Data
 from titan_thd.data.dataloader import build_dataloader
+from titan_thd.data.rows import RowRule, full_rows
 from titan_thd.data.sampler import global_batch_indices
 from titan_thd.data.token_store import ArrayTokenStore
 
@@ -32,7 +33,7 @@ def make_store(lengths, seed=0):
 STORE = make_store(np.random.default_rng(0).integers(4, 120, 50))
 
 
-def loader(dp_rank=0, dp_size=2, num_workers=0, start_step=0, store=STORE, rows_multiple=0, **data):
+def loader(dp_rank=0, dp_size=2, num_workers=0, start_step=0, store=STORE, rule=None, **data):
     cfg = Data(pad_to_multiple=4, num_workers=num_workers, **data)
     return build_dataloader(
         cfg,
@@ -40,13 +41,12 @@ def loader(dp_rank=0, dp_size=2, num_workers=0, start_step=0, store=STORE, rows_
         dp_rank=dp_rank,
         dp_size=dp_size,
         cp_size=2,
-        tokens_per_microbatch=T,
+        rule=rule or full_rows(T),
         global_batch_size=G,
         seed=SEED,
         planner="balanced",
         cost_attention=1e-3,
         start_step=start_step,
-        rows_multiple=rows_multiple,
     )
 
 
@@ -106,11 +106,11 @@ def test_step_covers_the_global_batch_across_replicas():
 
 
 def test_trimmed_steps_hold_the_same_documents_in_fewer_rows():
-    """rows_multiple: the same plan, every microbatch cut after its documents (a multiple of 8 rows,
-    the lcm with pad_to_multiple 4); slot_tokens counts the rows of both replicas."""
+    """A trimming RowRule: the same plan, every microbatch cut after its documents (a multiple of 8
+    rows); slot_tokens counts the rows of both replicas."""
     for step in range(3):
         full = [loader(dp_rank=r, start_step=step) for r in range(2)]
-        trim = [loader(dp_rank=r, start_step=step, rows_multiple=8) for r in range(2)]
+        trim = [loader(dp_rank=r, start_step=step, rule=RowRule(T, 8, 8, False)) for r in range(2)]
         fb, tb = [next(ld) for ld in full], [next(ld) for ld in trim]
         rows = 0
         for f, t in zip(fb, tb, strict=True):
@@ -172,7 +172,7 @@ def test_state_of_another_data_order_is_refused():
             dp_rank=0,
             dp_size=1,
             cp_size=1,
-            tokens_per_microbatch=T,
+            rule=full_rows(T),
             global_batch_size=G,
             seed=4,
             planner="balanced",
@@ -201,7 +201,7 @@ def test_dp_balanced_planner_and_bad_rank():
         dp_rank=1,
         dp_size=2,
         cp_size=1,
-        tokens_per_microbatch=T,
+        rule=full_rows(T),
         global_batch_size=G,
         seed=SEED,
         planner="dp_balanced",

@@ -14,6 +14,7 @@ from titan_thd.config import Data
 from titan_thd.data.dataloader import build_dataloader
 from titan_thd.data.packed_dataset import first_fit, open_packed, pack_rows
 from titan_thd.data.packer import padded_lengths
+from titan_thd.data.rows import full_rows
 from titan_thd.data.sampler import global_batch_indices
 from titan_thd.data.token_store import build_token_store
 from titan_thd.data.tokenizer import build_tokenizer
@@ -140,7 +141,7 @@ def packed_loader(path, dp_rank=0, dp_size=2, G=4, T_cfg=T, pad=MULT):
         dp_rank=dp_rank,
         dp_size=dp_size,
         cp_size=1,
-        tokens_per_microbatch=T_cfg,
+        rule=full_rows(T_cfg),
         global_batch_size=G,
         seed=1,
         planner="balanced",

@@ -15,6 +15,7 @@ from titan_thd.config import Data
 from titan_thd.data.dataloader import build_dataloader
 from titan_thd.data.pack_report import BAR_WIDTH, MARGIN, PLOT_HEIGHT, bars_png
 from titan_thd.data.packed_dataset import open_packed
+from titan_thd.data.rows import full_rows
 from titan_thd.data.sampler import global_batch_indices
 
 COST = 1 / 64  # attention work matters: a row of long documents costs more than one of short ones
@@ -29,7 +30,7 @@ def loader(path, dp_rank, replan, T_cfg=T, pad=MULT, G=4):
         dp_rank=dp_rank,
         dp_size=2,
         cp_size=1,
-        tokens_per_microbatch=T_cfg,
+        rule=full_rows(T_cfg),
         global_batch_size=G,
         seed=1,
         planner="balanced",

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from titan_thd.data.packed_batch import IGNORE_INDEX
-from titan_thd.data.packer import microbatch_rows, pack_microbatch, packer_throughput
+from titan_thd.data.packer import pack_microbatch, packer_throughput
+from titan_thd.data.rows import RowRule
 from titan_thd.data.sample import Sample
 
 
@@ -126,16 +127,16 @@ def test_empty_microbatch_is_one_padding_document():
 
 @pytest.mark.parametrize("seed", range(4))
 def test_trimmed_microbatch_is_the_full_one_cut_after_its_documents(seed):
-    """rows_multiple: the rows are the full pack's first `microbatch_rows` rows; only the tail
+    """A trimming RowRule: the rows are the full pack's first `rule.rows(used)` rows; only the tail
     padding document shrinks (or disappears on an exact multiple)."""
     rng = np.random.default_rng(seed)
     T, mult, rows_mult = 256, int(rng.choice([1, 4])), int(rng.choice([4, 8, 16]))
     samples = random_samples(rng, rng.integers(1, 40, int(rng.integers(1, 6))))
     full = pack_microbatch(samples, T, mult, pad_id=7)
-    trim = pack_microbatch(samples, T, mult, pad_id=7, rows_multiple=rows_mult)
+    trim = pack_microbatch(samples, T, mult, pad_id=7, rule=RowRule(T, rows_mult, rows_mult, False))
     used = sum(-(-len(s.input_ids) // mult) * mult for s in samples)
     rows = max(rows_mult, -(-used // rows_mult) * rows_mult)
-    assert trim.total_tokens == rows == microbatch_rows(used, T, rows_mult) < T
+    assert trim.total_tokens == rows < T
     for f in ("tokens", "labels", "loss_mask", "position_ids"):
         assert torch.equal(getattr(trim, f), getattr(full, f)[:rows]), f
     docs = len(samples)
@@ -145,14 +146,17 @@ def test_trimmed_microbatch_is_the_full_one_cut_after_its_documents(seed):
 
 
 def test_trimmed_rows_edges():
-    assert microbatch_rows(0, 64, 8) == 8  # an empty microbatch keeps one multiple (a row per rank)
-    assert microbatch_rows(64, 64, 8) == 64 and microbatch_rows(57, 64, 8) == 64
-    assert microbatch_rows(40, 64, 8) == 40 and microbatch_rows(40, 64, 0) == 64  # 0: fixed T
     rng = np.random.default_rng(3)
-    exact = pack_microbatch(random_samples(rng, [8, 8]), T=64, pad_to_multiple=4, pad_id=0, rows_multiple=8)
+    rule = RowRule(64, 8, 8, False)
+    exact = pack_microbatch(random_samples(rng, [8, 8]), T=64, pad_to_multiple=4, pad_id=0, rule=rule)
     assert exact.cu_seqlens_padded.tolist() == [0, 8, 16] and exact.num_docs == 2
-    with pytest.raises(ValueError, match="rows_multiple = 6 must be a multiple of pad_to_multiple = 4"):
-        pack_microbatch([], T=48, pad_to_multiple=4, pad_id=0, rows_multiple=6)
+    empty = pack_microbatch([], T=64, pad_to_multiple=4, pad_id=0, rule=rule)  # one multiple: a row per rank
+    assert empty.cu_seqlens_padded.tolist() == [0, 8] and empty.num_real_tokens == 0
+    halo = RowRule(64, 8, 32, False)  # a model that needs 32 rows (e.g. 4 CP ranks x a halo of 8)
+    assert (
+        pack_microbatch(random_samples(rng, [5]), T=64, pad_to_multiple=1, pad_id=0, rule=halo).total_tokens
+        == 32
+    )
 
 
 def test_errors():

@@ -78,3 +78,30 @@ def test_document_not_a_multiple_of_2cp_names_the_numbers():
     q, k, v = qkv(4)
     with pytest.raises(ValueError, match=r"document 0 has padded length 2 \(not a multiple of 4.*T >= 8: 8"):
         zigzag_attention(q, k, v, meta)
+
+
+def test_a_rank_of_padding_only_still_joins_the_all_gather_backward(monkeypatch):
+    """Documents of 2 tokens padded to 8 under cp = 4: rank 3 holds chunks 3 and 4, all padding, so no
+    query of it reads K/V. The all-gather's backward is a reduce-scatter every CP rank must call; its
+    output must stay in rank 3's graph, or the other ranks hang in it (seen under zigzag CP 4)."""
+    cp, backwards = 4, []
+
+    class Gather(torch.autograd.Function):  # all_gather_rows with every rank holding these rows
+        @staticmethod
+        def forward(ctx, x):
+            return x.repeat(cp, 1, 1)
+
+        @staticmethod
+        def backward(ctx, g):
+            backwards.append(g.shape)
+            return g.unflatten(0, (cp, -1)).sum(0)
+
+    monkeypatch.setattr("titan_thd.ops.cp_attention.all_gather_rows", lambda x, group: Gather.apply(x))
+    for rank, real_queries in ((3, False), (0, True)):
+        meta = zigzag_meta([2, 2], pad_to=8, T=None, cp=cp, rank=rank)
+        plan = zigzag_plan(meta)
+        assert any(c.q_rows for run in plan.runs for c in run.chunks) == real_queries
+        q, k, v = qkv(4, grad=True)
+        zigzag_attention(q, k, v, meta).sum().backward()
+        assert len(backwards) == 1, rank
+        backwards.clear()

@@ -32,6 +32,7 @@ from titan_thd.components.loss import cross_entropy_sum
 from titan_thd.config import Config
 from titan_thd.data.dataloader import PlannedSteps, StepBatch
 from titan_thd.data.packed_batch import IGNORE_INDEX, PackedBatch
+from titan_thd.data.rows import RowRule
 from titan_thd.data.sources import resolve_data_path
 from titan_thd.data.split import split_store
 from titan_thd.data.token_store import TokenStore, build_token_store
@@ -87,7 +88,7 @@ class Validator:
         dp_size: int,
         cp_size: int,
         cost_attention: float,
-        rows_multiple: int = 0,
+        rule: RowRule,
     ):
         v, t = cfg.validation, cfg.training
         self.freq, self.last_step, self.compare_padded = v.freq, t.steps, v.compare_padded
@@ -99,12 +100,11 @@ class Validator:
             cost_attention=cost_attention,
             dp_rank=dp_rank,
             dp_size=dp_size,
-            T=t.tokens_per_microbatch,
+            rule=rule,
             global_batch_size=t.global_batch_size,
             seed=t.seed,
             shuffle=False,
         )
-        self.batches.rows_multiple = rows_multiple  # a multiple of pad_to_multiple (train.rows_multiple)
         available = -(-self.batches.num_samples // t.global_batch_size)
         self.num_batches = min(available, v.max_batches) if v.max_batches else available
         self.num_docs = min(self.batches.num_samples, self.num_batches * t.global_batch_size)

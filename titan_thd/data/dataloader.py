@@ -22,7 +22,6 @@ replica d takes rows [d*G/dp, (d+1)*G/dp) of the step's rows (`PackedRowSteps`).
 
 from __future__ import annotations
 
-import math
 import sys
 from dataclasses import dataclass
 
@@ -34,9 +33,10 @@ from titan_thd.data import sampler
 from titan_thd.data.bridge_pack import BRIDGE_FORMAT
 from titan_thd.data.packed_batch import PackedBatch
 from titan_thd.data.packed_dataset import PackedRows
-from titan_thd.data.packer import microbatch_rows, pack_microbatch, padded_lengths
+from titan_thd.data.packer import pack_microbatch, padded_lengths
 from titan_thd.data.packs import open_pack
 from titan_thd.data.planner import make_plan, sample_costs
+from titan_thd.data.rows import RowRule
 
 
 @dataclass
@@ -67,11 +67,11 @@ class _Steps(torch.utils.data.Dataset):
     """Samples truncated / dropped for being longer than T (data.overlong; offline packs: at pack time)."""
 
     def __init__(
-        self, *, dp_rank: int, dp_size: int, T: int, global_batch_size: int, seed: int, shuffle: bool
+        self, *, dp_rank: int, dp_size: int, rule: RowRule, global_batch_size: int, seed: int, shuffle: bool
     ):
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank {dp_rank} is outside 0..{dp_size - 1}")
-        self.dp_rank, self.dp_size, self.T = dp_rank, dp_size, T
+        self.dp_rank, self.dp_size, self.rule, self.T = dp_rank, dp_size, rule, rule.T
         self.global_batch_size, self.seed, self.shuffle = global_batch_size, seed, shuffle
 
     def sample_ids(self, step: int) -> np.ndarray:
@@ -81,13 +81,10 @@ class _Steps(torch.utils.data.Dataset):
 
     hybrid_threshold: int = 0
     """> 0 under hybrid CP: the planner balances what each CP rank really carries (data/planner.py)."""
-    rows_multiple: int = 0
-    """> 0 (data.trim_padding): a microbatch ends at the first multiple of this after its last
-    document instead of at T (`packer.microbatch_rows`); 0: every microbatch has T rows."""
 
     def rows_of(self, used_per_microbatch) -> int:
         """Rows computed for microbatches whose documents take these padded token counts."""
-        return sum(microbatch_rows(int(u), self.T, self.rows_multiple) for u in used_per_microbatch)
+        return sum(self.rule.rows(int(u)) for u in used_per_microbatch)
 
     def plan_and_pack(self, lengths: np.ndarray, sample, pad_id: int):
         """(plan of the step's documents over dp x cp, this replica's packed microbatches, the rows
@@ -105,7 +102,7 @@ class _Steps(torch.utils.data.Dataset):
             self.hybrid_threshold,
         )
         mine = [
-            pack_microbatch([sample(p) for p in mb], self.T, self.pad_to_multiple, pad_id, self.rows_multiple)
+            pack_microbatch([sample(p) for p in mb], self.T, self.pad_to_multiple, pad_id, self.rule)
             for mb in plan.microbatches[self.dp_rank]
         ]
         padded = padded_lengths(lengths, self.pad_to_multiple)
@@ -155,6 +152,8 @@ class PackedRowSteps(_Steps):
     def __init__(self, rows: PackedRows, *, cost_attention: float, **common):
         super().__init__(**common)
         self.rows, self.num_samples, self.cost_attention = rows, len(rows), cost_attention
+        # The rows hold documents padded to the pack's multiple: the microbatches come in it too.
+        self.rule = self.rule.with_multiple(rows.pad_to_multiple)
         self.overlong_counts = {k: int(rows.metadata[f"num_{k}"]) for k in ("truncated", "dropped")}
         if rows.metadata.get("format") == BRIDGE_FORMAT:
             raise ValueError(
@@ -189,7 +188,7 @@ class PackedRowSteps(_Steps):
                 self.T,
                 self.rows.pad_to_multiple,
                 self.rows.pad_id,
-                self.rows_multiple,
+                self.rule,
             )
             for i in ids[self.dp_rank * per : (self.dp_rank + 1) * per]
         ]
@@ -334,7 +333,7 @@ def build_dataloader(
     dp_rank: int,
     dp_size: int,
     cp_size: int,
-    tokens_per_microbatch: int,
+    rule: RowRule,
     global_batch_size: int,
     seed: int,
     planner: str,
@@ -343,17 +342,16 @@ def build_dataloader(
     microbatch_group: int | None = None,
     tokenizer=None,
     hybrid_threshold: int = 0,
-    rows_multiple: int = 0,
 ) -> THDDataLoader:
     """The loader of this DP replica. `store`: a TokenStore (may be None for `data.source = "packed"`,
     whose rows are read from `data.path`). Overlong samples are truncated or dropped first
     (`data.overlong`; counted in `overlong_counts`). `tokenizer` gives the pad id and vocabulary of
-    packs that do not record them (Megatron-Bridge packs). `rows_multiple` > 0 ends each microbatch
-    after its documents (data.trim_padding; packer.microbatch_rows)."""
+    packs that do not record them (Megatron-Bridge packs). `rule` (data/rows.py) sizes every microbatch:
+    T = rule.T rows, or trimmed after its documents (data.trim_padding)."""
     common = {
         "dp_rank": dp_rank,
         "dp_size": dp_size,
-        "T": tokens_per_microbatch,
+        "rule": rule,
         "global_batch_size": global_batch_size,
         "seed": seed,
         "shuffle": data_cfg.shuffle,
@@ -377,7 +375,7 @@ def build_dataloader(
         )
     else:
         steps = PlannedSteps(
-            store.view(tokens_per_microbatch, data_cfg.overlong),
+            store.view(rule.T, data_cfg.overlong),
             pad_to_multiple=data_cfg.pad_to_multiple,
             cp_size=cp_size,
             planner=planner,
@@ -387,7 +385,4 @@ def build_dataloader(
         )
     if not isinstance(steps, PackedRowSteps):  # rows packed offline are not planned
         steps.hybrid_threshold = hybrid_threshold
-    if rows_multiple:  # documents are padded to the source's multiple, so rows come in it too
-        own = steps.rows.pad_to_multiple if isinstance(steps, PackedRowSteps) else steps.pad_to_multiple
-        steps.rows_multiple = math.lcm(rows_multiple, own)
     return THDDataLoader(steps, data_cfg.num_workers, start_step)

@@ -2,9 +2,9 @@
 
 Layout (see packed_batch.py for the full contract): documents in the given order, each padded to
 a multiple of `pad_to_multiple`, then one padding document (real length 0) that fills the rest of
-the rows: T of them, or with `rows_multiple` only up to the next multiple of it after the last
-document (no compute is spent on tail padding; `microbatch_rows`). Everything is built with
-whole-array numpy operations; there is no per-token Python loop.
+the rows: T of them, or with a `RowRule` (data/rows.py) only as many as the layout needs after the
+last document (no compute is spent on tail padding). Everything is built with whole-array numpy
+operations; there is no per-token Python loop.
 
 Legend: T rows of the microbatch, R real tokens, N documents (including the padding document).
 """
@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from titan_thd.data.packed_batch import IGNORE_INDEX, PackedBatch
+from titan_thd.data.rows import RowRule
 
 
 class SampleLike(Protocol):
@@ -32,27 +33,15 @@ def padded_lengths(lengths: np.ndarray, pad_to_multiple: int) -> np.ndarray:
     return -(-lengths // pad_to_multiple) * pad_to_multiple
 
 
-def microbatch_rows(used: int, T: int, rows_multiple: int) -> int:
-    """Rows of a microbatch whose documents take `used` padded tokens: T when `rows_multiple` is 0
-    (fixed shapes: pipeline parallelism), else `used` rounded up to a multiple of it (at least one
-    multiple, so that every CP / TP rank holds a row; never more than T)."""
-    if rows_multiple == 0:
-        return T
-    assert T % rows_multiple == 0, (T, rows_multiple)
-    return min(T, max(rows_multiple, -(-used // rows_multiple) * rows_multiple))
-
-
 def pack_microbatch(
-    samples: Sequence[SampleLike], T: int, pad_to_multiple: int, pad_id: int, rows_multiple: int = 0
+    samples: Sequence[SampleLike], T: int, pad_to_multiple: int, pad_id: int, rule: RowRule | None = None
 ) -> PackedBatch:
-    """Concatenate `samples` into one THD microbatch of T rows (`rows_multiple` > 0: of
-    `microbatch_rows` rows); ValueError if they do not fit in T."""
+    """Concatenate `samples` into one THD microbatch of T rows (with `rule`: of `rule.rows(used)` rows);
+    ValueError if they do not fit in T."""
     if pad_to_multiple < 1 or T % pad_to_multiple:
         raise ValueError(f"T = {T} must be a positive multiple of data.pad_to_multiple = {pad_to_multiple}")
-    if rows_multiple % pad_to_multiple:
-        raise ValueError(
-            f"rows_multiple = {rows_multiple} must be a multiple of pad_to_multiple = {pad_to_multiple}"
-        )
+    # The rule's rows hold whole padded documents, so they come in the documents' multiple.
+    assert rule is None or (rule.T == T and (rule.fixed or rule.multiple % pad_to_multiple == 0)), (rule, T)
     seqlen_D = np.array([len(s.input_ids) for s in samples], dtype=np.int64)
     padded_D = padded_lengths(seqlen_D, pad_to_multiple)
     used = int(padded_D.sum())
@@ -61,7 +50,7 @@ def pack_microbatch(
             f"{len(samples)} samples of lengths {seqlen_D.tolist()} take {used} tokens after padding to a "
             f"multiple of {pad_to_multiple}, more than T = {T} tokens per microbatch"
         )
-    T = microbatch_rows(used, T, rows_multiple)
+    T = T if rule is None else rule.rows(used)
     if used < T:  # the tail is one padding document of real length 0
         seqlen_N = np.append(seqlen_D, 0)
         padded_N = np.append(padded_D, T - used)

@@ -154,4 +154,10 @@ def zigzag_attention(
                 o_BSHD = torch.cat([o_BqHD, o_BSHD[:, c.q_rows :]], dim=1)
             chunk_outs.append(o_BSHD)
         outs.append(torch.stack(chunk_outs, dim=1).reshape(run.count * 2 * run.chunk, H, D))
-    return torch.cat(outs)
+    out_tHD = torch.cat(outs)
+    if not any(c.q_rows for run in plan.runs for c in run.chunks):
+        # Only padding rows here (short documents end in other ranks' chunks), so no query read the
+        # gathered K/V. The all-gather's backward is a reduce-scatter that every CP rank must join:
+        # keep the gathered rows in this rank's graph (a zero contribution), or the others hang.
+        out_tHD = out_tHD + kv_TCD[:1].sum() * 0
+    return out_tHD
