@@ -132,9 +132,10 @@ def _stage_bench(rank: int, world_size: int, opts: dict) -> dict:
     model = spec.build(args)
     virtual = 2 if opts["schedule"] == "Interleaved1F1B" else 1
     layers = pipeline.stage_layers(args.n_layers, world_size, virtual=virtual)
-    model = pipeline.split_model(opts["model"], model, layers, rank, world_size).to(device).train()
-    chunks = pipeline.chunk_views(opts["model"], model, layers, rank, world_size)
-    shape = pipeline.boundary_shape(args, opts["tokens"])
+    tied = spec.pipeline.tied(model)
+    model = pipeline.split_model(spec.pipeline, model, layers, rank, world_size, tied).to(device).train()
+    chunks = pipeline.chunk_views(spec.pipeline, model, layers, rank, world_size, tied)
+    shape = spec.pipeline.boundary_shape(args, opts["tokens"])
     group = dist.new_group(list(range(world_size)))
     sched = _TimedSchedule(chunks, rank, world_size, group, opts["schedule"], shape, torch.float32, device)
     rows = []
@@ -202,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("bench_pp: CUDA runs need torchrun-style NCCL ranks; use the CPU (gloo) path here")
     stages = spawn(_stage_bench, a.pp, opts, timeout=3600)
     args = dataclasses.replace(get_model_args(a.model, a.flavor), vocab_size=a.vocab)
-    shape = pipeline.boundary_shape(args, a.tokens)
+    shape = get_model_spec(a.model).pipeline.boundary_shape(args, a.tokens)
     report = {
         "model": a.model,
         "flavor": a.flavor,

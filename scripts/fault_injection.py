@@ -62,13 +62,14 @@ def worker(fault: str, argv: list[str]) -> int:
     from torch.distributed.tensor import DTensor
 
     from titan_thd import train
+    from titan_thd.pipeline import runner
 
     kind, step, *only = fault.split(":")
     step = int(step)
     rank = int(os.environ.get("RANK", "0"))
     mine = not only or int(only[0]) == rank
     if kind == "nan_loss":  # the loss of every microbatch of the step, hence its gradients too
-        cross_entropy_sum = train.cross_entropy_sum
+        cross_entropy_sum = runner.cross_entropy_sum
         train_step = train.Trainer.train_step
         current = {"step": 0}
 
@@ -81,18 +82,17 @@ def worker(fault: str, argv: list[str]) -> int:
             return ce * float("nan") if current["step"] == step and mine else ce
 
         train.Trainer.train_step = step_of
-        train.cross_entropy_sum = nan_ce
-    elif kind == "inf_grad":  # one gradient element of this rank's shard
-        forward_backward = train.Trainer.forward_backward
+        runner.cross_entropy_sum = nan_ce
+    elif kind == "inf_grad":  # one gradient element of this rank's shard, after the step's backward
+        clip_gradients = train.Trainer.clip_gradients
 
-        def inf_grad(self, microbatch, num_trained):
-            out = forward_backward(self, microbatch, num_trained)
+        def inf_grad(self):
             if self.step == step and mine:
                 grad = next(self.model.parameters()).grad
                 (grad.to_local() if isinstance(grad, DTensor) else grad).view(-1)[0] = math.inf
-            return out
+            return clip_gradients(self)
 
-        train.Trainer.forward_backward = inf_grad
+        train.Trainer.clip_gradients = inf_grad
     elif kind == "enospc":  # this rank's checkpoint files of the step take 4 kB, then the disk is full
         fs = torch.distributed.checkpoint.filesystem.FileSystem
         fs.create_stream = _full_disk(fs.create_stream, f"step-{step}.tmp-" if mine else None, 4096)

@@ -146,10 +146,6 @@ def test_toml_errors_name_the_file(tmp_path, text, message):
         ),
         ({"parallelism.data_parallel_shard_degree": "-3"}, r"data_parallel_shard_degree: got -3"),
         (
-            {"training.tokens_per_microbatch": "100", "data.pad_to_multiple": "8"},
-            r"training.tokens_per_microbatch = 100 is not a multiple of data.pad_to_multiple = 8",
-        ),
-        (
             {"parallelism.context_parallel_mode": "ring"},
             r"context_parallel_mode: got 'ring', expected one of auto, zigzag, contiguous",
         ),

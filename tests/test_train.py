@@ -13,8 +13,9 @@ from tests.models.dsv4._util import assert_loaded_and_first_ce
 from titan_thd.config import load_config
 from titan_thd.data.batch_meta import BatchMeta
 from titan_thd.data.packed_batch import IGNORE_INDEX
+from titan_thd.inputs import attention_cost_weight
 from titan_thd.models.dsv4 import build_dsv4, export_hf, flavors
-from titan_thd.train import Trainer, attention_cost_weight
+from titan_thd.train import Trainer
 
 
 def _cfg(tmp_path, *extra):
@@ -42,7 +43,8 @@ def test_loss_is_global_token_mean_over_microbatches(trainer):
     assert step_batch.trained_tokens == trained < step_batch.real_tokens  # chat: prompts are not trained
 
     model.zero_grad()
-    ce_sums = [trainer.forward_backward(mb, step_batch.trained_tokens)[0] for mb in step_batch.microbatches]
+    N = step_batch.trained_tokens
+    ce_sums = [trainer.runner.step([trainer.local_inputs(mb)], N)[0] for mb in step_batch.microbatches]
     loss = float(sum(ce_sums)) / step_batch.trained_tokens
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
 

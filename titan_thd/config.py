@@ -215,7 +215,6 @@ class Parallelism:
     multiple of pp). Any number of microbatches per step works, fewer than pp too."""
     pipeline_parallel_virtual_stages: int = 0
     """Stages per rank under Interleaved1F1B (0 = 2 there, 1 for the other schedules)."""
-    # ---- pipeline parallelism (issue 10): the stage split
     pipeline_parallel_layers_per_stage: int = 0
     """Transformer layers per pipeline stage (0 = split the layers evenly, earlier stages take
     the remainder); pp x this must equal the model's layers."""
@@ -223,7 +222,6 @@ class Parallelism:
     """Explicit stage split: each stage's layer ids, stages separated by `|`, ranges allowed,
     e.g. `0-2|3,4|5` (empty = `pipeline_parallel_layers_per_stage`). Every layer exactly once,
     in order. The embedding sits on the first stage, the final norm and head on the last."""
-    # ---- end of pipeline parallelism fields
     expert_parallel_degree: int = 1
     """Ranks that split the routed experts of every MoE layer (each holds n_experts / ep of them;
     tokens travel to their experts by all-to-all). Must divide dp x cp and the model's n_experts;
@@ -550,22 +548,16 @@ def validate(cfg: Config) -> None:
         raise ValueError(
             f"parallelism.data_parallel_shard_degree: got {p.data_parallel_shard_degree}, expected -1 or >= 1"
         )
-    if cfg.data.pad_to_multiple and t.tokens_per_microbatch % cfg.data.pad_to_multiple:
-        raise ValueError(
-            f"training.tokens_per_microbatch = {t.tokens_per_microbatch} is not a multiple of "
-            f"data.pad_to_multiple = {cfg.data.pad_to_multiple}"
-        )
-    # The context-parallel rules need the model's CP mode: the Trainer checks them
-    # (titan_thd.parallel.context_parallel.validate_context_parallel), still before any process group.
+    # The rules of each parallelism, and T against data.pad_to_multiple, need the model and the world
+    # size: titan_thd.inputs.check_inputs checks them, still before any process group.
     if cfg.data.source in ("jsonl", "parquet", "packed") and not cfg.data.path:
         raise ValueError(f"data.source = {cfg.data.source} needs data.path")
-    _validate_pipeline(p)
     _validate_validation(cfg)
 
 
 def _validate_validation(cfg: Config) -> None:
     """[validation] checks that need no files (validation.path is checked when it is read)."""
-    v, p = cfg.validation, cfg.parallelism
+    v = cfg.validation
     if v.freq < 1:
         raise ValueError(f"validation.freq: got {v.freq}, expected a positive number of steps")
     if v.max_batches < 0:
@@ -594,73 +586,6 @@ def _validate_validation(cfg: Config) -> None:
             f"validation.path = {v.path!r} with data.source = mock: a validation file needs data.source = jsonl "
             "or parquet; for mock data use validation.fraction"
         )
-    if v.compare_padded and (p.context_parallel_degree > 1 or p.pipeline_parallel_degree > 1):
-        raise ValueError(
-            "validation.compare_padded = true needs whole documents on one rank: got context_parallel_degree "
-            f"{p.context_parallel_degree}, pipeline_parallel_degree {p.pipeline_parallel_degree}, expected 1 and 1"
-        )
-
-
-# ---- pipeline parallelism (issue 10): checks that need no model; the layer counts are checked
-# against the model by titan_thd.pipeline.stage_layers (Trainer, before any process group).
-def parse_stage_layers(text: str) -> list[list[int]]:
-    """`0-2|3,4|5` -> [[0, 1, 2], [3, 4], [5]]; ValueError naming the bad part."""
-    key = "parallelism.pipeline_parallel_stage_layers"
-    stages: list[list[int]] = []
-    for i, part in enumerate(text.split("|")):
-        ids: list[int] = []
-        for item in (x.strip() for x in part.split(",")):
-            lo, sep, hi = item.partition("-")
-            try:
-                ids += list(range(int(lo), int(hi) + 1)) if sep else [int(item)]
-            except ValueError:
-                raise ValueError(
-                    f"{key} = {text!r}: stage {i} has {item!r}, expected layer ids like 0,1 or ranges like 0-3"
-                ) from None
-        stages.append(ids)
-    return stages
-
-
-def virtual_stages(p: Parallelism) -> int:
-    """Pipeline stages per rank: pipeline_parallel_virtual_stages, or its default for the schedule."""
-    if p.pipeline_parallel_virtual_stages:
-        return p.pipeline_parallel_virtual_stages
-    return 2 if p.pipeline_parallel_schedule == "Interleaved1F1B" else 1
-
-
-def _validate_pipeline(p: Parallelism) -> None:
-    if p.pipeline_parallel_layers_per_stage < 0:
-        raise ValueError(
-            f"parallelism.pipeline_parallel_layers_per_stage: got {p.pipeline_parallel_layers_per_stage}, "
-            "expected 0 (an even split) or >= 1"
-        )
-    v, schedule = p.pipeline_parallel_virtual_stages, p.pipeline_parallel_schedule
-    if v < 0 or (v == 1 and schedule == "Interleaved1F1B") or (v > 1 and schedule != "Interleaved1F1B"):
-        raise ValueError(
-            f"parallelism.pipeline_parallel_virtual_stages = {v} with pipeline_parallel_schedule = "
-            f"{schedule}: expected 0 (auto), or >= 2 with Interleaved1F1B only"
-        )
-    if p.pipeline_parallel_stage_layers:
-        stages = parse_stage_layers(p.pipeline_parallel_stage_layers)
-        n_stages = p.pipeline_parallel_degree * virtual_stages(p)
-        if len(stages) != n_stages:
-            raise ValueError(
-                f"parallelism.pipeline_parallel_stage_layers = {p.pipeline_parallel_stage_layers!r} has "
-                f"{len(stages)} stages, pipeline_parallel_degree = {p.pipeline_parallel_degree}"
-                + (
-                    f" x virtual_stages {virtual_stages(p)} = {n_stages}"
-                    if n_stages != p.pipeline_parallel_degree
-                    else ""
-                )
-            )
-        if p.pipeline_parallel_layers_per_stage:
-            raise ValueError(
-                "parallelism.pipeline_parallel_stage_layers and pipeline_parallel_layers_per_stage = "
-                f"{p.pipeline_parallel_layers_per_stage} both set the stage split; set one"
-            )
-
-
-# ---- end of pipeline parallelism checks
 
 
 # ============================================================================ output

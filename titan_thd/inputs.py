@@ -1,30 +1,48 @@
 """What a user gives, checked before any process group exists: the config against the world size
-and the model (parallel degrees, context / tensor / expert / pipeline rules), the tokenizer, a Hugging
-Face folder, the output folders. `check_inputs` is what the Trainer and `--job.preflight` run first;
-every failure is a ValueError naming the field, the value and what is allowed.
+and the model, the tokenizer, a Hugging Face folder, the output folders. `check_inputs` is what the
+Trainer and `--job.preflight` run first; every failure is a ValueError naming the field, the value
+and what is allowed.
+
+Each parallelism keeps its rules in its own module and `check_inputs` calls them in a row, then
+the one check of their combinations:
+
+    validate_context_parallel     parallel/context_parallel.py   CP degree, mode, T per rank
+    validate_tensor_parallel      parallel/tensor_parallel.py    what tp must divide
+    validate_expert_parallel      parallel/expert_parallel.py    ep and the routed experts
+    validate_pipeline             pipeline/split.py              schedule, stages, layers
+    ParallelDims                  parallel/parallel_dims.py      the degrees against the world
+    validate_combinations         here                           what does not combine (yet)
+    microbatch_rule               here (data/rows.py)            every microbatch the data can make
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-from titan_thd import pipeline
-from titan_thd.components.validation import check_path
-from titan_thd.config import Config, Parallelism, validate, virtual_stages
+from titan_thd.components.checkpoint import CheckpointManager, model_fingerprint
+from titan_thd.config import Config, Parallelism, validate
+from titan_thd.data.dataloader import DataLayout, OrderedSteps, build_dataloader
 from titan_thd.data.rows import RowRule, row_rule
+from titan_thd.data.stores import build_stores, check_validation_path
 from titan_thd.data.tokenizer import Tokenizer, build_tokenizer
 from titan_thd.models import get_model_args, get_model_spec
 from titan_thd.models.spec import ModelSpec
 from titan_thd.parallel.context_parallel import CPMode, resolve_mode, validate_context_parallel
+from titan_thd.parallel.expert_parallel import validate_expert_parallel
+from titan_thd.parallel.fsdp import build_on_meta
 from titan_thd.parallel.parallel_dims import ParallelDims
 from titan_thd.parallel.tensor_parallel import validate_tensor_parallel
+from titan_thd.pipeline.split import validate_pipeline
+
+logger = logging.getLogger("titan_thd")
 
 # Model config fields that are not model arguments (every other field of [model] that the
 # flavor's args dataclass also has overrides the flavor).
@@ -77,11 +95,22 @@ def _check_folder(key: str, value: str, folder: Path, writable: bool = False) ->
         return
 
 
-def check_inputs(cfg: Config, world_size: int) -> tuple[ModelSpec, Tokenizer, Any, ParallelDims]:
-    """(spec, tokenizer, model args, parallel dims) of `cfg` on `world_size` processes: every check that
-    needs no process group, no data and no weights (ValueError naming the field, the value and what is
-    allowed). An empty model.flavor without model.hf_path is set to the family's default flavor, and
-    data.pad_to_multiple = 0 to what the CP mode needs."""
+class Inputs(NamedTuple):
+    """What `check_inputs` derives from a config that passed."""
+
+    spec: ModelSpec
+    tokenizer: Tokenizer
+    model_args: Any
+    dims: ParallelDims
+    stages: list[list[int]] | None
+    """Each pipeline stage's layer ids (None without pipeline parallelism)."""
+
+
+def check_inputs(cfg: Config, world_size: int) -> Inputs:
+    """`cfg` on `world_size` processes: every check that needs no process group, no data and no weights
+    (ValueError naming the field, the value and what is allowed). An empty model.flavor without
+    model.hf_path is set to the family's default flavor, and data.pad_to_multiple = 0 to what the CP
+    mode needs."""
     t, p, job = cfg.training, cfg.parallelism, cfg.job
     validate(cfg)
     spec = get_model_spec(cfg.model.name)
@@ -112,8 +141,7 @@ def check_inputs(cfg: Config, world_size: int) -> tuple[ModelSpec, Tokenizer, An
     _check_folder("job.dump_folder", job.dump_folder, Path(job.dump_folder), writable=True)
     if cfg.data.source != "packed":
         key = "data.cache_dir" if cfg.data.cache_dir else "job.dump_folder"
-        cache_dir = cfg.data.cache_dir or os.path.join(job.dump_folder, "data_cache")
-        _check_folder(key, cfg.data.cache_dir or job.dump_folder, Path(cache_dir))
+        _check_folder(key, cfg.data.cache_dir or job.dump_folder, Path(cache_dir(cfg)))
     if cfg.checkpoint.enable:
         folder = Path(job.dump_folder) / cfg.checkpoint.folder
         _check_folder("checkpoint.folder", cfg.checkpoint.folder, folder)
@@ -164,7 +192,11 @@ def check_inputs(cfg: Config, world_size: int) -> tuple[ModelSpec, Tokenizer, An
         tokens_per_cp_rank=t.tokens_per_microbatch // p.context_parallel_degree,
         model=label,
     )
-    microbatch_rule(cfg, spec, model_args)  # the microbatches the loader can emit, T the largest of them
+    validate_expert_parallel(
+        degree=p.expert_parallel_degree, n_experts=getattr(model_args, "n_experts", None), model=label
+    )
+    stages = validate_pipeline(p, model_args.n_layers, spec.pipeline, label)
+    validate_combinations(cfg, spec, model_args)
     try:
         dims = ParallelDims.from_config(p, world_size)
     except ValueError as e:
@@ -174,13 +206,52 @@ def check_inputs(cfg: Config, world_size: int) -> tuple[ModelSpec, Tokenizer, An
             f"pipeline_parallel_degree {p.pipeline_parallel_degree}, expert_parallel_degree "
             f"{p.expert_parallel_degree}) does not fit {world_size} processes: {e}"
         ) from None
-    dims.check_implemented()
-    check_expert_parallel(p.expert_parallel_degree, model_args, label)
-    pipeline_stage_layers(cfg, model_args)
-    check_path(cfg)
-    if cfg.validation.enable and cfg.validation.compare_padded and spec.padded_forward is None:
-        raise ValueError(f"validation.compare_padded = true: model {cfg.model.name} has no padded forward")
-    return spec, tokenizer, model_args, dims
+    microbatch_rule(cfg, spec, model_args)  # the microbatches the loader can emit, T the largest of them
+    check_validation_path(cfg.validation, cfg.data.source)
+    return Inputs(spec, tokenizer, model_args, dims, stages)
+
+
+def validate_combinations(cfg: Config, spec: ModelSpec, model_args: Any) -> None:
+    """What each parallelism's own rules accept but the combination cannot run (yet), and the
+    switches a model must opt into (from the degrees alone: before they are fitted to the world)."""
+    p = cfg.parallelism
+    pp, cp, tp, ep = (
+        p.pipeline_parallel_degree,
+        p.context_parallel_degree,
+        p.tensor_parallel_degree,
+        p.expert_parallel_degree,
+    )
+    if tp > 1 and pp > 1:
+        raise ValueError(
+            f"parallelism.tensor_parallel_degree = {tp} with pipeline_parallel_degree = {pp}: "
+            "tensor and pipeline parallelism together are not implemented yet; set one of them to 1"
+        )
+    if ep > 1 and tp > 1:
+        raise ValueError(
+            f"parallelism.expert_parallel_degree = {ep} with tensor_parallel_degree = {tp}: "
+            "tensor parallelism splits every expert's hidden columns, expert parallelism places whole "
+            "experts; together they are not implemented yet (set one of them to 1)"
+        )
+    if getattr(model_args, "attention_backend", "native") == "te" and cp > 1:
+        raise ValueError(
+            f"model.attention_backend = te with context_parallel_degree = {cp}: Transformer Engine "
+            "attention runs without context parallelism only; use attention_backend = native or cp 1"
+        )
+    if cfg.training.compile and spec.compile is None:
+        raise ValueError(
+            f"training.compile = true: model {cfg.model.name} has no compile hook; set it to false"
+        )
+    v = cfg.validation
+    if v.enable and v.compare_padded:
+        if spec.padded_forward is None:
+            raise ValueError(
+                f"validation.compare_padded = true: model {cfg.model.name} has no padded forward"
+            )
+        if cp > 1 or pp > 1:
+            raise ValueError(
+                "validation.compare_padded = true needs whole documents on one rank: got "
+                f"context_parallel_degree {cp}, pipeline_parallel_degree {pp}, expected 1 and 1"
+            )
 
 
 def microbatch_rule(cfg: Config, spec: ModelSpec, model_args: Any) -> RowRule:
@@ -214,34 +285,75 @@ def model_label(cfg: Config) -> str:
     return f"{m.name} {m.flavor}" if m.flavor else f"{m.name} (config.json of {m.hf_path})"
 
 
-def check_expert_parallel(ep: int, model_args: Any, model: str) -> None:
-    """ep must split the model's routed experts evenly (dp x cp is ParallelDims' check)."""
-    if ep == 1:
-        return
-    n_experts = getattr(model_args, "n_experts", None)
-    if n_experts is None:
-        raise ValueError(
-            f"parallelism.expert_parallel_degree = {ep}: model {model} has no routed experts; use 1"
-        )
-    if n_experts % ep:
-        raise ValueError(
-            f"parallelism.expert_parallel_degree = {ep} does not divide model {model}'s n_experts = "
-            f"{n_experts} (every rank holds n_experts / ep experts)"
-        )
-
-
-def pipeline_stage_layers(cfg: Config, model_args: Any) -> list[list[int]] | None:
-    """Each pipeline stage's layer ids (ValueError for a split the model cannot have); None at pp 1."""
+def hybrid_threshold(cfg: Config) -> int:
+    """The padded length from which hybrid CP splits a document (default T / cp)."""
     p = cfg.parallelism
-    if p.pipeline_parallel_degree == 1:
-        return None
-    return pipeline.stage_layers(
-        model_args.n_layers,
-        p.pipeline_parallel_degree,
-        p.pipeline_parallel_layers_per_stage,
-        p.pipeline_parallel_stage_layers,
-        virtual_stages(p),
+    return p.hybrid_cp_threshold or cfg.training.tokens_per_microbatch // p.context_parallel_degree
+
+
+def data_layout(
+    cfg: Config, dims: ParallelDims, spec: ModelSpec, model_args: Any, dp_rank: int
+) -> DataLayout:
+    """How replica `dp_rank` plans and cuts its data under this layout (data/dataloader.py)."""
+    t, p = cfg.training, cfg.parallelism
+    mode = resolve_mode(p.context_parallel_mode, cfg.model.name, spec.cp_mode)
+    return DataLayout(
+        dp_rank=dp_rank,
+        dp=dims.dp,
+        cp=dims.cp,
+        rule=microbatch_rule(cfg, spec, model_args),
+        global_batch_size=t.global_batch_size,
+        seed=t.seed,
+        planner=t.planner,
+        cost_attention=t.planner_cost_attention or attention_cost_weight(spec, model_args),
+        # Interleaved1F1B runs microbatches in groups of pp (its deadlock-free order for any K keeps
+        # more of them in flight when K is not a multiple).
+        microbatch_group=dims.pp
+        if p.pipeline_parallel_schedule == "Interleaved1F1B" and dims.pp > 1
+        else None,
+        hybrid_threshold=hybrid_threshold(cfg) if mode == "hybrid" else 0,
     )
+
+
+def cache_dir(cfg: Config) -> str:
+    """Where tokenised datasets are cached (data.cache_dir, default <dump_folder>/data_cache)."""
+    return cfg.data.cache_dir or os.path.join(cfg.job.dump_folder, "data_cache")
+
+
+def preflight(cfg: Config) -> None:
+    """Read what a run of NGPU processes (env, default 1) would read before its first step, in this one
+    process and without a process group: the configuration and layout, the tokenizer, the data (tokenised
+    into the cache that the run then reuses), the Hugging Face config, the checkpoint to resume.
+    run_train.sh runs it before torchrun, so that an input error is one line and not torchrun's failure
+    report."""
+    inputs = check_inputs(cfg, env_world_size("NGPU"))
+    layout = data_layout(cfg, inputs.dims, inputs.spec, inputs.model_args, dp_rank=0)
+    store = None
+    if cfg.data.source != "packed":
+        store, val_store = build_stores(
+            cfg.data, cfg.validation, inputs.tokenizer, cfg.training.seed, cache_dir(cfg), progress=True
+        )
+        if val_store is not None:
+            OrderedSteps(
+                val_store.view(layout.T, cfg.data.overlong), layout, pad_to_multiple=cfg.data.pad_to_multiple
+            )
+    build_dataloader(dataclasses.replace(cfg.data, num_workers=0), store, layout, inputs.tokenizer)
+    if cfg.checkpoint.enable:  # the fingerprint has global shapes: a model on the meta device has them
+        model = build_on_meta(lambda: inputs.spec.build(inputs.model_args))
+        checkpointer = CheckpointManager(
+            cfg.checkpoint,
+            cfg.job.dump_folder,
+            model=model,
+            optimizer=None,
+            lr_schedulers=[],
+            states={},
+            fingerprint=model_fingerprint([model], model=cfg.model.name, flavor=cfg.model.flavor),
+        )
+        try:
+            checkpointer.check_resumable()
+        finally:
+            checkpointer.close()
+    logger.info("preflight: inputs of a %d-process run are fine", inputs.dims.world_size)
 
 
 def attention_cost_weight(spec: ModelSpec, args: Any) -> float:

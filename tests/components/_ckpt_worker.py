@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from titan_thd.components.checkpoint import CheckpointManager, model_fingerprint
+from titan_thd.components.optimizer import OptimizersContainer
 from titan_thd.config import Checkpoint
 
 
@@ -49,8 +50,8 @@ def manager(dump, model, opt, sched, state, **cfg):
     return CheckpointManager(
         Checkpoint(enable=True, **cfg),
         dump,
-        model_parts=[model],
-        optimizers=opt,
+        model=model,
+        optimizer=OptimizersContainer(model, [opt]),
         lr_schedulers=sched,
         states={"train_state": state},
         fingerprint=model_fingerprint([model], model="worker"),

@@ -22,6 +22,7 @@ from tests._dist import spawn
 from tests.components._ckpt_worker import TrainState, build, manager, train_step
 from titan_thd.components import checkpoint as C
 from titan_thd.components.checkpoint import CheckpointError, CheckpointManager, model_fingerprint
+from titan_thd.components.optimizer import OptimizersContainer
 from titan_thd.config import Checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
@@ -136,8 +137,8 @@ def test_nothing_to_resume_and_disabled(tmp_path):
     off = CheckpointManager(
         Checkpoint(enable=False),
         str(tmp_path),
-        model_parts=[model],
-        optimizers=[opt],
+        model=model,
+        optimizer=OptimizersContainer(model, [opt]),
         lr_schedulers=[sched],
         states={},
         fingerprint={},
@@ -154,8 +155,8 @@ def test_fingerprint_mismatch_names_differences(tmp_path):
     bad = CheckpointManager(
         Checkpoint(enable=True),
         str(tmp_path),
-        model_parts=[other],
-        optimizers=opt,
+        model=other,
+        optimizer=OptimizersContainer(other, [opt]),
         lr_schedulers=[],
         states={},
         fingerprint=model_fingerprint([other], model="worker", flavor="big"),

@@ -30,7 +30,7 @@ def test_linear_and_none():
 def _opt_and_sched(total_steps=0, training_steps=6):
     model = torch.nn.Linear(3, 3)
     spec = ModelSpec(name="toy", flavors={}, build=None, flops_per_step=None, cp_mode="zigzag")
-    opts = build_optimizers([model], Optimizer(lr=1.0), spec)
+    opts = build_optimizers(model, Optimizer(lr=1.0), spec)
     cfg = LRScheduler(warmup_steps=1, decay="linear", min_lr_factor=0.0, total_steps=total_steps)
     return opts, LRSchedulersContainer(opts, cfg, training_steps)
 

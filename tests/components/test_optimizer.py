@@ -40,7 +40,7 @@ def test_adamw_first_step_and_decay_groups():
     model = TinyLM()
     before = {n: p.detach().clone().double() for n, p in model.named_parameters()}
     cfg = Optimizer(lr=0.01, weight_decay=0.5, beta1=0.9, beta2=0.95, eps=1e-8)
-    opts = build_optimizers([model], cfg, SPEC)
+    opts = build_optimizers(model, cfg, SPEC)
     _loss(model).backward()
     grads = {n: p.grad.detach().clone().double() for n, p in model.named_parameters()}
     opts.step()
@@ -55,7 +55,7 @@ def test_adamw_first_step_and_decay_groups():
 
 def test_muon_gets_matrices_adamw_the_rest():
     model = TinyLM()
-    opts = build_optimizers([model], Optimizer(name="muon", lr=0.02), SPEC)
+    opts = build_optimizers(model, Optimizer(name="muon", lr=0.02), SPEC)
     muon, adamw = opts.optimizers
     assert isinstance(muon, Muon) and isinstance(adamw, torch.optim.AdamW)
     names = {id(p): n for n, p in model.named_parameters()}
@@ -76,7 +76,7 @@ def test_unused_parameter_steps_with_a_zero_gradient(name):
     model = TinyLM()
     model.unused = nn.Linear(8, 8, bias=False)  # not called by forward
     before = model.unused.weight.detach().clone()
-    opts = build_optimizers([model], Optimizer(name=name, lr=0.01, weight_decay=0.5), SPEC)
+    opts = build_optimizers(model, Optimizer(name=name, lr=0.01, weight_decay=0.5), SPEC)
     _loss(model).backward()
     assert model.unused.weight.grad is None
     opts.step()
@@ -94,7 +94,7 @@ def test_matrix_params_must_be_2d():
         matrix_params=lambda m: ["proj.bias"],
     )
     with pytest.raises(ValueError, match=r"Muon needs 2-D parameters.*proj\.bias"):
-        build_optimizers([TinyLM()], Optimizer(name="muon"), spec)
+        build_optimizers(TinyLM(), Optimizer(name="muon"), spec)
 
 
 @pytest.mark.parametrize("name", ["adamw", "muon"])
@@ -102,7 +102,7 @@ def test_state_dict_round_trip_continues_identically(name):
     torch.manual_seed(0)
     model = TinyLM()
     cfg = Optimizer(name=name, lr=0.01)
-    opts = build_optimizers([model], cfg, SPEC)
+    opts = build_optimizers(model, cfg, SPEC)
     for s in range(2):
         _loss(model, s).backward()
         opts.step()
@@ -110,7 +110,7 @@ def test_state_dict_round_trip_continues_identically(name):
     state = opts.state_dict()
     assert any(k.startswith("state.proj.weight.") for k in state)  # flattened by parameter name
     twin = copy.deepcopy(model)
-    twin_opts = build_optimizers([twin], cfg, SPEC)
+    twin_opts = build_optimizers(twin, cfg, SPEC)
     twin_opts.load_state_dict(copy.deepcopy(state))
     for m, o in ((model, opts), (twin, twin_opts)):
         _loss(m, 5).backward()
@@ -124,14 +124,12 @@ def test_muon_checkpoint_resumes_with_another_ns_dtype():
     by torch.optim.Muon, which has no such key, resume too)."""
     torch.manual_seed(0)
     model = TinyLM()
-    opts = build_optimizers([model], Optimizer(name="muon", lr=0.01), SPEC)
+    opts = build_optimizers(model, Optimizer(name="muon", lr=0.01), SPEC)
     _loss(model).backward()
     opts.step()
     state = opts.state_dict()
     assert not any(k.endswith(".ns_dtype") for k in state)
-    twin_opts = build_optimizers(
-        [copy.deepcopy(model)], Optimizer(name="muon", muon_ns_dtype="float32"), SPEC
-    )
+    twin_opts = build_optimizers(copy.deepcopy(model), Optimizer(name="muon", muon_ns_dtype="float32"), SPEC)
     twin_opts.load_state_dict(copy.deepcopy(state))
     assert twin_opts.optimizers[0].ns_dtype == torch.float32
     torch.testing.assert_close(

@@ -9,7 +9,7 @@ import pytest
 
 from titan_thd.config import Data
 from titan_thd.data.chat_template import encode_conversation
-from titan_thd.data.dataloader import build_dataloader
+from titan_thd.data.dataloader import DataLayout, build_dataloader
 from titan_thd.data.rows import full_rows
 from titan_thd.data.tokenizer import ByteTokenizer
 
@@ -66,9 +66,20 @@ def write_parquet(rows, path):
 def loader(path, T=PACK, replan=True, G=1):
     cfg = Data(source="packed", path=str(path), pad_to_multiple=4, packed_replan=replan)
     return build_dataloader(
-        cfg, None, dp_rank=0, dp_size=1, cp_size=2, rule=full_rows(T), global_batch_size=G,
-        seed=0, planner="balanced", cost_attention=0.0, tokenizer=TOK,
-    )  # fmt: skip
+        cfg,
+        None,
+        DataLayout(
+            dp_rank=0,
+            dp=1,
+            cp=2,
+            rule=full_rows(T),
+            global_batch_size=G,
+            seed=0,
+            planner="balanced",
+            cost_attention=0.0,
+        ),
+        tokenizer=TOK,
+    )
 
 
 def trained_pairs(batch):

@@ -41,6 +41,12 @@ def test_pad_to_multiple_refusals_name_the_numbers(tmp_path):
         r"context_parallel_degree 3\)",
     ):
         check_inputs(cfg, 3)
+    cfg = load_config(["--training.tokens_per_microbatch", "100", "--data.pad_to_multiple", "8"])
+    with pytest.raises(
+        ValueError,
+        match=r"training.tokens_per_microbatch = 100 is not a multiple of data.pad_to_multiple = 8$",
+    ):
+        check_inputs(cfg, 1)  # an explicit value: no default to explain
     cfg = load_config([*CP2, "--data.pad_to_multiple", "2", "--job.dump_folder", str(tmp_path)])
     with pytest.raises(ValueError, match=r"data.pad_to_multiple = 2 must be a multiple of 4"):
         check_inputs(cfg, 2)  # an explicit wrong value is still refused

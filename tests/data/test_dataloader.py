@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from titan_thd.config import Data
-from titan_thd.data.dataloader import build_dataloader
+from titan_thd.data.dataloader import DataLayout, build_dataloader
 from titan_thd.data.rows import RowRule, full_rows
 from titan_thd.data.sampler import global_batch_indices
 from titan_thd.data.token_store import ArrayTokenStore
@@ -38,14 +38,16 @@ def loader(dp_rank=0, dp_size=2, num_workers=0, start_step=0, store=STORE, rule=
     return build_dataloader(
         cfg,
         store,
-        dp_rank=dp_rank,
-        dp_size=dp_size,
-        cp_size=2,
-        rule=rule or full_rows(T),
-        global_batch_size=G,
-        seed=SEED,
-        planner="balanced",
-        cost_attention=1e-3,
+        DataLayout(
+            dp_rank=dp_rank,
+            dp=dp_size,
+            cp=2,
+            rule=rule or full_rows(T),
+            global_batch_size=G,
+            seed=SEED,
+            planner="balanced",
+            cost_attention=1e-3,
+        ),
         start_step=start_step,
     )
 
@@ -169,14 +171,16 @@ def test_state_of_another_data_order_is_refused():
         build_dataloader(
             Data(),
             STORE,
-            dp_rank=0,
-            dp_size=1,
-            cp_size=1,
-            rule=full_rows(T),
-            global_batch_size=G,
-            seed=4,
-            planner="balanced",
-            cost_attention=0.0,
+            DataLayout(
+                dp_rank=0,
+                dp=1,
+                cp=1,
+                rule=full_rows(T),
+                global_batch_size=G,
+                seed=4,
+                planner="balanced",
+                cost_attention=0.0,
+            ),
         ).load_state_dict(state)
     with pytest.raises(ValueError, match=r"step 0 at epoch 0, cursor 0"):
         loader().load_state_dict({**state, "cursor": 5})
@@ -198,14 +202,16 @@ def test_dp_balanced_planner_and_bad_rank():
     ld = build_dataloader(
         cfg,
         STORE,
-        dp_rank=1,
-        dp_size=2,
-        cp_size=1,
-        rule=full_rows(T),
-        global_batch_size=G,
-        seed=SEED,
-        planner="dp_balanced",
-        cost_attention=0.0,
+        DataLayout(
+            dp_rank=1,
+            dp=2,
+            cp=1,
+            rule=full_rows(T),
+            global_batch_size=G,
+            seed=SEED,
+            planner="dp_balanced",
+            cost_attention=0.0,
+        ),
     )
     assert next(ld).num_microbatches >= 1
     with pytest.raises(ValueError, match="dp_rank 2 is outside 0..1"):

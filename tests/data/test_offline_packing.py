@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from titan_thd.config import Data
-from titan_thd.data.dataloader import build_dataloader
+from titan_thd.data.dataloader import DataLayout, build_dataloader
 from titan_thd.data.packed_dataset import first_fit, open_packed, pack_rows
 from titan_thd.data.packer import padded_lengths
 from titan_thd.data.rows import full_rows
@@ -138,14 +138,16 @@ def packed_loader(path, dp_rank=0, dp_size=2, G=4, T_cfg=T, pad=MULT):
     return build_dataloader(
         cfg,
         None,
-        dp_rank=dp_rank,
-        dp_size=dp_size,
-        cp_size=1,
-        rule=full_rows(T_cfg),
-        global_batch_size=G,
-        seed=1,
-        planner="balanced",
-        cost_attention=0.0,
+        DataLayout(
+            dp_rank=dp_rank,
+            dp=dp_size,
+            cp=1,
+            rule=full_rows(T_cfg),
+            global_batch_size=G,
+            seed=1,
+            planner="balanced",
+            cost_attention=0.0,
+        ),
     )
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from tests.data.test_offline_packing import MULT, T, pack, reference_store, source  # noqa: F401
 from titan_thd.config import Data
-from titan_thd.data.dataloader import build_dataloader
+from titan_thd.data.dataloader import DataLayout, build_dataloader
 from titan_thd.data.pack_report import BAR_WIDTH, MARGIN, PLOT_HEIGHT, bars_png
 from titan_thd.data.packed_dataset import open_packed
 from titan_thd.data.rows import full_rows
@@ -27,14 +27,16 @@ def loader(path, dp_rank, replan, T_cfg=T, pad=MULT, G=4):
     return build_dataloader(
         cfg,
         None,
-        dp_rank=dp_rank,
-        dp_size=2,
-        cp_size=1,
-        rule=full_rows(T_cfg),
-        global_batch_size=G,
-        seed=1,
-        planner="balanced",
-        cost_attention=COST,
+        DataLayout(
+            dp_rank=dp_rank,
+            dp=2,
+            cp=1,
+            rule=full_rows(T_cfg),
+            global_batch_size=G,
+            seed=1,
+            planner="balanced",
+            cost_attention=COST,
+        ),
     )
 
 

@@ -4,7 +4,7 @@ For every model x CP mode x CP degree 1-8 x TP 1-2 x PP 1-3 (dsv4 also EP 2) tha
 at the smallest T it accepts and a larger one, steps are drawn from adversarial length distributions
 (every document 1-3 tokens, documents of exactly T, longer than T truncated or dropped, zero-length
 documents, fewer documents than replicas x microbatches, offline packs of nearly empty rows, planned row
-by row or again) through the production builders (`build_loader`, `build_validator`), and each emitted
+by row or again) through the production builders (`data_layout`, `build_dataloader`, the validation and pack steps), and each emitted
 microbatch is checked against the rules of the consumers themselves, not against `RowRule`: the CP split
 of every rank (`partition`), the dsv4 attention's index plan of every rank (`build_plan`, which refuses
 what the model cannot compute, e.g. a shard below its CP halo), equal sequence-parallel shares on every
@@ -24,14 +24,12 @@ import torch
 from titan_thd.config import Config
 from titan_thd.data.batch_meta import BatchMeta, CPContext
 from titan_thd.data.cp_partition import partition
-from titan_thd.data.dataloader import PackedRowSteps, RepackedSteps
+from titan_thd.data.dataloader import OrderedSteps, PackedRowSteps, RepackedSteps, build_dataloader
 from titan_thd.data.packed_dataset import PackedRows
 from titan_thd.data.token_store import MockTokenStore
-from titan_thd.inputs import attention_cost_weight, check_inputs, microbatch_rule
+from titan_thd.inputs import check_inputs, data_layout, hybrid_threshold, microbatch_rule
 from titan_thd.models.dsv4.plans import build_plan
 from titan_thd.parallel.context_parallel import resolve_mode
-from titan_thd.pipeline import boundary_shape
-from titan_thd.train import build_loader, build_validator, hybrid_threshold
 
 DP = 2
 MODELS = {"llama": ("debug",), "dsv4": ("micro", "flash")}
@@ -52,7 +50,7 @@ def config(model, flavor, mode, cp, tp, pp, ep, T, trim=True):
 def accepted(cfg):
     """(spec, args, dims) when start-up accepts cfg, else None."""
     try:
-        spec, _, args, dims = check_inputs(
+        spec, _, args, dims, _ = check_inputs(
             cfg,
             DP
             * cfg.parallelism.context_parallel_degree
@@ -126,7 +124,7 @@ class Checker:
 
     def __init__(self, cfg, spec, args, dims):
         p = cfg.parallelism
-        self.cfg, self.args, self.model = cfg, args, cfg.model.name
+        self.cfg, self.spec, self.args, self.model = cfg, spec, args, cfg.model.name
         self.T, self.cp, self.tp, self.pp = (
             cfg.training.tokens_per_microbatch,
             p.context_parallel_degree,
@@ -134,7 +132,7 @@ class Checker:
             p.pipeline_parallel_degree,
         )
         self.mode = resolve_mode(p.context_parallel_mode, cfg.model.name, spec.cp_mode)
-        self.threshold = hybrid_threshold(cfg, dims)
+        self.threshold = hybrid_threshold(cfg)
         self.min_local = spec.min_tokens_per_cp_rank(args)
         self.fixed = self.pp > 1 or not cfg.data.trim_padding
         self.seen, self.rng = Counter(), np.random.default_rng(self.cp * 100 + self.tp * 10 + self.pp)
@@ -163,7 +161,8 @@ class Checker:
             if self.cp > 1:
                 assert n >= self.min_local, (n, self.min_local)
             if self.pp > 1:
-                assert (n, *boundary_shape(self.args, self.T // self.cp)[1:]) == boundary_shape(self.args, n)
+                shape = self.spec.pipeline.boundary_shape  # the P2P buffers' fixed shape
+                assert shape(self.args, n) == shape(self.args, self.T // self.cp)
                 assert n == self.T // self.cp
             # The dsv4 attention's own checks of this rank's rows (halo, contiguity, entries), once per geometry.
             key = (r, tuple(mb.cu_seqlens.tolist()), tuple(mb.cu_seqlens_padded.tolist()))
@@ -210,33 +209,25 @@ def test_every_emitted_microbatch_is_legal_for_every_accepted_layout(model):
                 training=dataclasses.replace(cfg.training, global_batch_size=G),
             )
             store = MockTokenStore(lengths, _TOK, seed=1)
+            layouts_of = [data_layout(run, dims, spec, args, dp_rank=r) for r in range(DP)]
             try:
-                loaders = [build_loader(run, store, dims, r, spec, args, _TOK) for r in range(DP)]
+                loaders = [build_dataloader(run.data, store, lay, _TOK) for lay in layouts_of]
             except ValueError:  # refused before the first step (e.g. nothing to train within T)
                 totals["refused at start-up"] += 1
                 continue
             for loader in loaders:
                 check.step(loader.steps[int(rng.integers(100))])
-            check.step(build_validator(run, store, dims, 0, spec, args).batches[0])
+            validation = store.view(T, overlong)
+            check.step(OrderedSteps(validation, layouts_of[0], pad_to_multiple=cfg.data.pad_to_multiple)[0])
         # Offline packs whose rows are nearly empty, row by row and planned again.
-        rule = microbatch_rule(cfg, spec, args)
         rows = packed_rows(T, cfg.data.pad_to_multiple, rng.integers(1, min(3, T) + 1, 24), rng)
-        common = {"dp_size": DP, "rule": rule, "global_batch_size": 2 * DP, "seed": 3, "shuffle": True}
-        cost = attention_cost_weight(spec, args)
+        packs = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, global_batch_size=2 * DP))
         for dp_rank in range(DP):
-            by_row = PackedRowSteps(rows, cost_attention=cost, dp_rank=dp_rank, **common)
+            lay = data_layout(packs, dims, spec, args, dp_rank=dp_rank)
+            check.step(PackedRowSteps(rows, lay, shuffle=True)[0])
             again = RepackedSteps(
-                rows,
-                pad_to_multiple=cfg.data.pad_to_multiple,
-                cp_size=dims.cp,
-                planner="balanced",
-                cost_attention=cost,
-                overlong="truncate",
-                dp_rank=dp_rank,
-                **common,
+                rows, lay, pad_to_multiple=cfg.data.pad_to_multiple, overlong="truncate", shuffle=True
             )
-            again.hybrid_threshold = hybrid_threshold(cfg, dims) if check.mode == "hybrid" else 0
-            check.step(by_row[0])
             check.step(again[1])
         totals += check.seen
     print(f"fuzz {model}: {sum(layouts_seen.values())} layouts, {dict(totals)}")

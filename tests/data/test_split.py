@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from titan_thd.data.dataloader import build_dataloader
+from titan_thd.data.dataloader import DataLayout, build_dataloader
 from titan_thd.data.rows import full_rows
 from titan_thd.data.split import heldout_mask, split_store, unit_hash
 from titan_thd.data.token_store import MockTokenStore
@@ -50,9 +50,19 @@ def test_training_loader_never_yields_a_held_out_document():
         source, pad_to_multiple, overlong, shuffle, num_workers = "mock", 1, "truncate", True, 0
 
     loader = build_dataloader(
-        Data, train, dp_rank=0, dp_size=1, cp_size=1, rule=full_rows(256), global_batch_size=16,
-        seed=3, planner="balanced", cost_attention=0.0,
-    )  # fmt: skip
+        Data,
+        train,
+        DataLayout(
+            dp_rank=0,
+            dp=1,
+            cp=1,
+            rule=full_rows(256),
+            global_batch_size=16,
+            seed=3,
+            planner="balanced",
+            cost_attention=0.0,
+        ),
+    )
     seen = []
     for _ in range(-(-2 * len(train) // 16)):
         for mb in next(loader).microbatches:

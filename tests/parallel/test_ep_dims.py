@@ -7,14 +7,14 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-from titan_thd.config import load_config
+from titan_thd.config import Parallelism, Training, load_config
+from titan_thd.inputs import check_inputs
 from titan_thd.models.dsv4.args import flavors
 from titan_thd.models.dsv4.model import build_dsv4
 from titan_thd.models.dsv4.parallelize import parallelize_dsv4
 from titan_thd.parallel import distributed
 from titan_thd.parallel.fsdp import build_on_meta, estimate_memory_per_rank, largest_unsharded_unit_bytes
 from titan_thd.parallel.parallel_dims import ParallelDims
-from titan_thd.train import check_inputs
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -56,7 +56,12 @@ def test_dsv4_experts_sharded_over_efsdp(fake_world):
     fake_world(64, 0)
     dims = ParallelDims(pp=1, dp_shard=-1, cp=4, tp=1, world_size=64, ep=4)
     dims.build_meshes("cpu")
-    model = parallelize_dsv4(build_on_meta(lambda: build_dsv4(flavors["micro"])), dims, None)
+    model = parallelize_dsv4(
+        build_on_meta(lambda: build_dsv4(flavors["micro"])),
+        dims,
+        parallelism=Parallelism(),
+        training=Training(),
+    )
     for layer in [*model.layers.values(), *model.mtp]:
         assert list(layer.ffn.experts) == ["0"]
     local = 0

@@ -15,11 +15,12 @@ import pytest
 import torch
 
 from tests._dist import spawn
-from titan_thd import pipeline
 from titan_thd.components.loss import cross_entropy_sum
 from titan_thd.config import load_config
 from titan_thd.data.batch_meta import BatchMeta
 from titan_thd.data.packer import pack_microbatch
+from titan_thd.inputs import check_inputs
+from titan_thd.models.llama import spec as LLAMA
 from titan_thd.models.llama.args import LlamaArgs
 from titan_thd.models.llama.model import build_llama
 from titan_thd.pipeline import (
@@ -58,7 +59,7 @@ def test_stage_layers_defaults_and_explicit():
         ((4, 2, 0, "0-2|2,3"), r"repeats layer\(s\) \[2\]"),
         ((4, 2, 0, "0,1|2-4"), r"layer 4 does not exist \(0..3\)"),
         ((4, 2, 0, "2,3|0,1"), r"layers must run in order"),
-        ((4, 3, 0, "0,1|2,3"), r"has 2 stages, pp = 3"),
+        ((4, 3, 0, "0,1|2,3"), r"has 2 stages, pipeline_parallel_degree = 3"),
     ],
 )
 def test_stage_layers_errors(args, message):
@@ -109,9 +110,12 @@ def test_stage_layers_errors(args, message):
         ),
     ],
 )
-def test_config_errors(overrides, message):
-    with pytest.raises(ValueError, match=message):
-        load_config(["--parallelism.pipeline_parallel_degree", "4", *overrides])
+def test_config_errors(overrides, message, tmp_path):
+    with pytest.raises(ValueError, match=message):  # llama debug: 8 layers
+        cfg = load_config(
+            ["--parallelism.pipeline_parallel_degree", "4", "--job.dump_folder", str(tmp_path), *overrides]
+        )
+        check_inputs(cfg, 4)
 
 
 # ============================================================================ schedule vs one process
@@ -201,8 +205,8 @@ def _schedule_vs_reference(rank: int, world_size: int, schedules=("1F1B", "GPipe
     steps = hard_steps()
     virtual = 2 if "Interleaved1F1B" in schedules else 1
     layers = stage_layers(ARGS.n_layers, world_size, virtual=virtual)
-    stage = split_model("llama", copy.deepcopy(full), layers, rank, world_size)
-    chunks = chunk_views("llama", stage, layers, rank, world_size)
+    stage = split_model(LLAMA.pipeline, copy.deepcopy(full), layers, rank, world_size)
+    chunks = chunk_views(LLAMA.pipeline, stage, layers, rank, world_size)
     group = torch.distributed.new_group(list(range(world_size)))
     out = []
     for schedule in schedules:
@@ -344,4 +348,4 @@ def test_schedule_orders_and_in_flight():
 
 
 def test_boundary_shape():
-    assert pipeline.boundary_shape(ARGS, 16) == (16, 32)
+    assert LLAMA.pipeline.boundary_shape(ARGS, 16) == (16, 32)

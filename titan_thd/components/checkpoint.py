@@ -10,8 +10,8 @@ What one checkpoint holds (top-level keys of the DCP state dict):
 
 | key            | content                                              | across layouts          |
 |----------------|------------------------------------------------------|-------------------------|
-| `model`        | get_model_state_dict of every model part (DTensors)  | resharded by DCP        |
-| `optimizer`    | get_optimizer_state_dict, flattened to parameter FQNs | resharded by DCP        |
+| `model`        | get_model_state_dict of the rank's module (DTensors) | resharded by DCP        |
+| `optimizer`    | the optimizer container's state (flattened to FQNs)  | resharded by DCP        |
 | `lr_scheduler` | `{"0": state_dict, ...}` one per scheduler, one leaf | identical on all ranks  |
 | `<states key>` | `states[key].state_dict()` (train state, data), one leaf | layout-free by contract |
 | `rng`          | `{"rank_<r>": torch CPU (and CUDA) generator state}` | restored only when the  |
@@ -63,9 +63,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
-    get_optimizer_state_dict,
     set_model_state_dict,
-    set_optimizer_state_dict,
 )
 
 from titan_thd.components.signals import StopSignal
@@ -79,7 +77,6 @@ TMP_DIR = re.compile(r"^step-\d+\.tmp-")
 META_FILE = "meta.json"
 SHARD_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")  # DCP's FileSystemWriter: __<rank>_<n>.distcp
 RESERVED_KEYS = ("model", "optimizer", "lr_scheduler", "rng")
-_OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 class CheckpointError(RuntimeError):
@@ -195,8 +192,8 @@ def _set_rng_state(state: dict[str, torch.Tensor]) -> None:
 class CheckpointManager:
     """Save / resume model, optimizer, LR schedulers, extra `states`, and RNG with DCP.
 
-    `optimizers` may be one optimizer or a list (e.g. Muon + AdamW over one model); each belongs
-    to the model part whose parameters it updates. `states` maps a key to any object with
+    `optimizer` is a Stateful whose state is keyed by parameter FQN (the trainer's
+    OptimizersContainer; None = no optimizer state, e.g. a preflight check). `states` maps a key to any object with
     `state_dict()` / `load_state_dict()` whose state is the same on every rank (train state,
     the layout-free data state). `fingerprint` (see `model_fingerprint`) is stored and compared
     on load so a checkpoint of another model fails with the list of differences.
@@ -207,8 +204,8 @@ class CheckpointManager:
         cfg: Checkpoint,
         dump_folder: str,
         *,
-        model_parts: Sequence[nn.Module],
-        optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
+        model: nn.Module,
+        optimizer: Stateful | None,
         lr_schedulers: Any,
         states: dict[str, Stateful],
         fingerprint: dict[str, Any],
@@ -217,8 +214,7 @@ class CheckpointManager:
         assert not clash, f"states keys {clash} collide with the checkpoint's own keys {RESERVED_KEYS}"
         self.cfg = cfg
         self.folder = Path(dump_folder) / cfg.folder
-        self.model_parts = list(model_parts)
-        self.optimizers = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers)
+        self.model, self.optimizer = model, optimizer
         self.lr_schedulers = (
             list(lr_schedulers) if isinstance(lr_schedulers, (list, tuple)) else [lr_schedulers]
         )
@@ -250,17 +246,11 @@ class CheckpointManager:
         return sorted(p for p in self.folder.iterdir() if p.is_dir() and TMP_DIR.match(p.name))
 
     # ------------------------------------------------------------------ state
-    def _optimizers_of(self, part: nn.Module) -> list[torch.optim.Optimizer]:
-        ids = {id(p) for p in part.parameters()}
-        return [o for o in self.optimizers if any(id(p) in ids for g in o.param_groups for p in g["params"])]
-
     def _state_dict(self) -> dict[str, Any]:
-        sd: dict[str, Any] = {"model": {}, "optimizer": {}}
-        for part in self.model_parts:
-            sd["model"].update(get_model_state_dict(part))
-            optims = self._optimizers_of(part)
-            if optims:
-                sd["optimizer"].update(get_optimizer_state_dict(part, optims, options=_OPTIM_OPTIONS))
+        sd: dict[str, Any] = {
+            "model": get_model_state_dict(self.model),
+            "optimizer": {} if self.optimizer is None else self.optimizer.state_dict(),
+        }
         # Small replicated Python state is stored whole: DCP treats a tuple as one leaf and on load
         # replaces it with what was saved, so the loading side needs no template of its keys.
         sd["lr_scheduler"] = ({str(i): s.state_dict() for i, s in enumerate(self.lr_schedulers)},)
@@ -382,9 +372,7 @@ class CheckpointManager:
         steps = self.complete_steps()
         for old in self._leftovers():
             logger.warning("checkpoint: ignoring incomplete %s (an interrupted save)", old)
-        want = self.cfg.load_step
-        if want < -1:
-            raise ValueError(f"checkpoint.load_step = {want}: expected -1 (the newest) or a saved step")
+        want = self.cfg.load_step  # >= -1 (config.validate)
         if want >= 0 and want not in steps:
             raise ValueError(
                 f"checkpoint.load_step = {want}: there is no complete checkpoint {self.step_dir(want)}; "
@@ -494,11 +482,9 @@ class CheckpointManager:
         self._check_contents(path, sd)
         with _single_process_is_fine():
             dcp.load(sd, checkpoint_id=path)
-        for part in self.model_parts:
-            set_model_state_dict(part, sd["model"], options=StateDictOptions(strict=False))
-            optims = self._optimizers_of(part)
-            if optims:
-                set_optimizer_state_dict(part, optims, sd["optimizer"], options=_OPTIM_OPTIONS)
+        set_model_state_dict(self.model, sd["model"], options=StateDictOptions(strict=False))
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(sd["optimizer"])
         for i, scheduler in enumerate(self.lr_schedulers):
             scheduler.load_state_dict(sd["lr_scheduler"][0][str(i)])
         for key, obj in self.states.items():

@@ -61,16 +61,12 @@ def _adamw(params: list[nn.Parameter], cfg: OptimizerConfig) -> torch.optim.Adam
 
 
 class OptimizersContainer:
-    """The optimizers of every model part (pipeline stages hold several parts) behind one API."""
+    """The optimizers of one model (Muon + AdamW, or AdamW) behind one API, and one Stateful for the
+    checkpoint: its state is keyed by parameter FQN (DCP reshards it across layouts). Under pipeline
+    parallelism the model is the rank's module, whose chunks share its parameters."""
 
-    def __init__(self, model_parts: list[nn.Module], optimizers: list[list[torch.optim.Optimizer]]):
-        assert len(model_parts) == len(optimizers)
-        self.model_parts = model_parts
-        self.per_part = optimizers
-
-    @property
-    def optimizers(self) -> list[torch.optim.Optimizer]:
-        return [opt for opts in self.per_part for opt in opts]
+    def __init__(self, model: nn.Module, optimizers: list[torch.optim.Optimizer]):
+        self.model, self.optimizers = model, optimizers
 
     def step(self) -> None:
         """Step every optimizer; a parameter without a gradient (an expert no token was routed to
@@ -89,44 +85,34 @@ class OptimizersContainer:
             opt.zero_grad(set_to_none=True)
 
     def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = {}
-        for part, opts in zip(self.model_parts, self.per_part):
-            state.update(get_optimizer_state_dict(part, opts, options=_FLAT))
-        return state
+        return get_optimizer_state_dict(self.model, self.optimizers, options=_FLAT)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        for part, opts in zip(self.model_parts, self.per_part):
-            set_optimizer_state_dict(part, opts, state, options=_FLAT)
+        set_optimizer_state_dict(self.model, self.optimizers, state, options=_FLAT)
 
 
-def build_optimizers(
-    model_parts: list[nn.Module], cfg: OptimizerConfig, spec: ModelSpec
-) -> OptimizersContainer:
+def build_optimizers(model: nn.Module, cfg: OptimizerConfig, spec: ModelSpec) -> OptimizersContainer:
     """AdamW over every parameter, or (`optimizer.name = muon`) Muon over the model's matrices."""
-    per_part: list[list[torch.optim.Optimizer]] = []
-    for part in model_parts:
-        params = dict(part.named_parameters())
-        if cfg.name == "adamw":
-            per_part.append([_adamw(list(params.values()), cfg)])
-            continue
-        assert cfg.name == "muon", cfg.name
-        matrix_names = set((spec.matrix_params or default_matrix_params)(part))
-        wrong = sorted(n for n in matrix_names if n not in params or params[n].ndim != 2)
-        if wrong:
-            raise ValueError(f"model {spec.name}: Muon needs 2-D parameters, but matrix_params names {wrong}")
-        matrices = [params[n] for n in params if n in matrix_names]
-        first = matrices[0] if matrices else next(iter(params.values()))
-        muon = Muon(
-            matrices,
-            lr=cfg.lr,
-            weight_decay=cfg.weight_decay,
-            momentum=cfg.muon_momentum,
-            ns_steps=cfg.muon_ns_steps,
-            ns_dtype=hardware.muon_ns_dtype(cfg.muon_ns_dtype, hardware.detect(first.device), first.dtype),
-        )
-        rest = [p for n, p in params.items() if n not in matrix_names]
-        per_part.append([muon, _adamw(rest, cfg)] if rest else [muon])
-    return OptimizersContainer(model_parts, per_part)
+    params = dict(model.named_parameters())
+    if cfg.name == "adamw":
+        return OptimizersContainer(model, [_adamw(list(params.values()), cfg)])
+    assert cfg.name == "muon", cfg.name
+    matrix_names = set((spec.matrix_params or default_matrix_params)(model))
+    wrong = sorted(n for n in matrix_names if n not in params or params[n].ndim != 2)
+    if wrong:
+        raise ValueError(f"model {spec.name}: Muon needs 2-D parameters, but matrix_params names {wrong}")
+    matrices = [params[n] for n in params if n in matrix_names]
+    first = matrices[0] if matrices else next(iter(params.values()))
+    muon = Muon(
+        matrices,
+        lr=cfg.lr,
+        weight_decay=cfg.weight_decay,
+        momentum=cfg.muon_momentum,
+        ns_steps=cfg.muon_ns_steps,
+        ns_dtype=hardware.muon_ns_dtype(cfg.muon_ns_dtype, hardware.detect(first.device), first.dtype),
+    )
+    rest = [p for n, p in params.items() if n not in matrix_names]
+    return OptimizersContainer(model, [muon, _adamw(rest, cfg)] if rest else [muon])
 
 
 @torch.no_grad()

@@ -35,8 +35,38 @@ from titan_thd.data.packed_batch import PackedBatch
 from titan_thd.data.packed_dataset import PackedRows
 from titan_thd.data.packer import pack_microbatch, padded_lengths
 from titan_thd.data.packs import open_pack
-from titan_thd.data.planner import make_plan, sample_costs
+from titan_thd.data.planner import Policy, make_plan, sample_costs
 from titan_thd.data.rows import RowRule
+
+
+@dataclass(frozen=True)
+class DataLayout:
+    """How one data-parallel replica's data is planned and cut: computed once at start-up from the
+    config, the parallel layout and the model (`titan_thd.inputs.data_layout`), the same on every
+    rank except `dp_rank`."""
+
+    dp_rank: int
+    """This replica (0 .. dp - 1)."""
+    dp: int
+    """Data-parallel replicas the plan spreads each step over."""
+    cp: int
+    """Context-parallel ranks of one replica (the planner balances what each of them carries)."""
+    rule: RowRule
+    """The row counts every microbatch may have (T = rule.T, trimming, the layout's minimum)."""
+    global_batch_size: int
+    """Samples per step, all replicas (packed sources: packed rows)."""
+    seed: int
+    planner: Policy = "balanced"
+    cost_attention: float = 0.0
+    """Planner weight of sum(len^2) per token (docs/design.md §3.2)."""
+    microbatch_group: int | None = None
+    """Microbatches per replica come in multiples of this (Interleaved1F1B: pp)."""
+    hybrid_threshold: int = 0
+    """> 0 under hybrid CP: the planner balances what each CP rank really carries (data/planner.py)."""
+
+    @property
+    def T(self) -> int:
+        return self.rule.T
 
 
 @dataclass
@@ -60,27 +90,23 @@ class StepBatch:
 
 
 class _Steps(torch.utils.data.Dataset):
-    """Step index -> StepBatch; the parts shared by both sources."""
+    """Step index -> StepBatch; the parts shared by every source."""
 
     num_samples: int
     overlong_counts: dict[str, int]
     """Samples truncated / dropped for being longer than T (data.overlong; offline packs: at pack time)."""
 
-    def __init__(
-        self, *, dp_rank: int, dp_size: int, rule: RowRule, global_batch_size: int, seed: int, shuffle: bool
-    ):
-        if not 0 <= dp_rank < dp_size:
-            raise ValueError(f"dp_rank {dp_rank} is outside 0..{dp_size - 1}")
-        self.dp_rank, self.dp_size, self.rule, self.T = dp_rank, dp_size, rule, rule.T
-        self.global_batch_size, self.seed, self.shuffle = global_batch_size, seed, shuffle
+    def __init__(self, layout: DataLayout, shuffle: bool):
+        if not 0 <= layout.dp_rank < layout.dp:
+            raise ValueError(f"dp_rank {layout.dp_rank} is outside 0..{layout.dp - 1}")
+        self.layout, self.shuffle = layout, shuffle
+        self.dp_rank, self.dp_size, self.rule, self.T = layout.dp_rank, layout.dp, layout.rule, layout.T
+        self.global_batch_size, self.seed = layout.global_batch_size, layout.seed
 
     def sample_ids(self, step: int) -> np.ndarray:
         return sampler.global_batch_indices(
             step, self.global_batch_size, self.num_samples, self.seed, self.shuffle
         )
-
-    hybrid_threshold: int = 0
-    """> 0 under hybrid CP: the planner balances what each CP rank really carries (data/planner.py)."""
 
     def rows_of(self, used_per_microbatch) -> int:
         """Rows computed for microbatches whose documents take these padded token counts."""
@@ -88,18 +114,18 @@ class _Steps(torch.utils.data.Dataset):
 
     def plan_and_pack(self, lengths: np.ndarray, sample, pad_id: int):
         """(plan of the step's documents over dp x cp, this replica's packed microbatches, the rows
-        of every replica's microbatches: slot_tokens); `sample(p)`
-        is the step's p-th document. For the sources planned every step (they set planner, cp_size,
-        pad_to_multiple, cost_attention and microbatch_group)."""
+        of every replica's microbatches: slot_tokens); `sample(p)` is the step's p-th document. For
+        the sources planned every step (they set pad_to_multiple)."""
+        lay = self.layout
         plan = make_plan(
-            self.planner,
+            lay.planner,
             padded_lengths(lengths, self.pad_to_multiple),
-            self.dp_size,
-            self.cp_size,
-            self.T,
-            self.cost_attention,
-            self.microbatch_group,
-            self.hybrid_threshold,
+            lay.dp,
+            lay.cp,
+            lay.T,
+            lay.cost_attention,
+            lay.microbatch_group,
+            lay.hybrid_threshold,
         )
         mine = [
             pack_microbatch([sample(p) for p in mb], self.T, self.pad_to_multiple, pad_id, self.rule)
@@ -113,22 +139,11 @@ class _Steps(torch.utils.data.Dataset):
 class PlannedSteps(_Steps):
     """Samples of a TokenStore planned into microbatches every step."""
 
-    def __init__(
-        self,
-        store,
-        *,
-        pad_to_multiple: int,
-        cp_size: int,
-        planner: str,
-        cost_attention: float,
-        microbatch_group: int | None = None,
-        **common,
-    ):
-        super().__init__(**common)
+    def __init__(self, store, layout: DataLayout, *, pad_to_multiple: int, shuffle: bool):
+        super().__init__(layout, shuffle)
         self.store, self.num_samples = store, len(store)
         self.overlong_counts = {"truncated": store.num_truncated, "dropped": store.num_dropped}
-        self.pad_to_multiple, self.cp_size = pad_to_multiple, cp_size
-        self.planner, self.cost_attention, self.microbatch_group = planner, cost_attention, microbatch_group
+        self.pad_to_multiple = pad_to_multiple
 
     def __getitem__(self, step: int) -> StepBatch:
         ids = self.sample_ids(step)
@@ -146,12 +161,23 @@ class PlannedSteps(_Steps):
         )
 
 
+class OrderedSteps(PlannedSteps):
+    """Validation batch i = documents [i*G, (i+1)*G) of the store, in order, planned like a step."""
+
+    def __init__(self, store, layout: DataLayout, *, pad_to_multiple: int):
+        super().__init__(store, layout, pad_to_multiple=pad_to_multiple, shuffle=False)
+
+    def sample_ids(self, step: int) -> np.ndarray:
+        G = self.global_batch_size
+        return np.arange(step * G, min((step + 1) * G, self.num_samples), dtype=np.int64)
+
+
 class PackedRowSteps(_Steps):
     """Offline-packed rows: G rows per step, G / dp consecutive rows per replica."""
 
-    def __init__(self, rows: PackedRows, *, cost_attention: float, **common):
-        super().__init__(**common)
-        self.rows, self.num_samples, self.cost_attention = rows, len(rows), cost_attention
+    def __init__(self, rows: PackedRows, layout: DataLayout, *, shuffle: bool):
+        super().__init__(layout, shuffle)
+        self.rows, self.num_samples = rows, len(rows)
         # The rows hold documents padded to the pack's multiple: the microbatches come in it too.
         self.rule = self.rule.with_multiple(rows.pad_to_multiple)
         self.overlong_counts = {k: int(rows.metadata[f"num_{k}"]) for k in ("truncated", "dropped")}
@@ -177,7 +203,7 @@ class PackedRowSteps(_Steps):
         doc_lengths = [self.rows.doc_lengths(int(i)) for i in ids]
         costs = np.array(
             [
-                sample_costs(padded_lengths(d, self.rows.pad_to_multiple), self.cost_attention).sum()
+                sample_costs(padded_lengths(d, self.rows.pad_to_multiple), self.layout.cost_attention).sum()
                 for d in doc_lengths
             ]
         )
@@ -215,24 +241,13 @@ class RepackedSteps(_Steps):
     dropped (data.overlong), counted on top of the pack's own counts."""
 
     def __init__(
-        self,
-        rows: PackedRows,
-        *,
-        pad_to_multiple: int,
-        cp_size: int,
-        planner: str,
-        cost_attention: float,
-        overlong: str,
-        microbatch_group: int | None = None,
-        **common,
+        self, rows: PackedRows, layout: DataLayout, *, pad_to_multiple: int, overlong: str, shuffle: bool
     ):
-        super().__init__(**common)
+        super().__init__(layout, shuffle)
         if overlong not in ("truncate", "drop"):
             raise ValueError(f"data.overlong: got {overlong!r}, expected 'truncate' or 'drop'")
         self.rows, self.num_samples = rows, len(rows)
-        self.pad_to_multiple, self.cp_size = pad_to_multiple, cp_size
-        self.planner, self.cost_attention, self.microbatch_group = planner, cost_attention, microbatch_group
-        self.overlong = overlong
+        self.pad_to_multiple, self.overlong = pad_to_multiple, overlong
         too_long = rows.doc_lengths_all > self.T
         self.overlong_counts = {k: int(rows.metadata.get(f"num_{k}", 0)) for k in ("truncated", "dropped")}
         self.overlong_counts["dropped" if overlong == "drop" else "truncated"] += int(too_long.sum())
@@ -327,62 +342,40 @@ class THDDataLoader:
 
 
 def build_dataloader(
-    data_cfg,
-    store,
-    *,
-    dp_rank: int,
-    dp_size: int,
-    cp_size: int,
-    rule: RowRule,
-    global_batch_size: int,
-    seed: int,
-    planner: str,
-    cost_attention: float,
-    start_step: int = 0,
-    microbatch_group: int | None = None,
-    tokenizer=None,
-    hybrid_threshold: int = 0,
+    data_cfg, store, layout: DataLayout, tokenizer=None, start_step: int = 0
 ) -> THDDataLoader:
-    """The loader of this DP replica. `store`: a TokenStore (may be None for `data.source = "packed"`,
+    """The loader of replica `layout.dp_rank`. `store`: a TokenStore (None for `data.source = "packed"`,
     whose rows are read from `data.path`). Overlong samples are truncated or dropped first
     (`data.overlong`; counted in `overlong_counts`). `tokenizer` gives the pad id and vocabulary of
-    packs that do not record them (Megatron-Bridge packs). `rule` (data/rows.py) sizes every microbatch:
-    T = rule.T rows, or trimmed after its documents (data.trim_padding)."""
-    common = {
-        "dp_rank": dp_rank,
-        "dp_size": dp_size,
-        "rule": rule,
-        "global_batch_size": global_batch_size,
-        "seed": seed,
-        "shuffle": data_cfg.shuffle,
-    }
-    if data_cfg.source == "packed" and data_cfg.packed_replan:
-        steps = RepackedSteps(
-            open_pack(data_cfg.path, tokenizer=tokenizer),
-            pad_to_multiple=data_cfg.pad_to_multiple,
-            cp_size=cp_size,
-            planner=planner,
-            cost_attention=cost_attention,
-            overlong=data_cfg.overlong,
-            microbatch_group=microbatch_group,
-            **common,
-        )
-    elif data_cfg.source == "packed":
-        steps = PackedRowSteps(
-            open_pack(data_cfg.path, data_cfg.pad_to_multiple, tokenizer=tokenizer),
-            cost_attention=cost_attention,
-            **common,
-        )
+    packs that do not record them (Megatron-Bridge packs); ValueError when a pack was made with
+    another tokenizer."""
+    steps: _Steps
+    if data_cfg.source == "packed":
+        rows = open_pack(data_cfg.path, 1 if data_cfg.packed_replan else data_cfg.pad_to_multiple, tokenizer)
+        if tokenizer is not None and (rows.vocab_size, rows.pad_id) != (
+            tokenizer.vocab_size,
+            tokenizer.pad_id,
+        ):
+            raise ValueError(
+                f"data.path = {data_cfg.path!r} was packed with tokenizer {rows.metadata.get('tokenizer')!r} "
+                f"(vocab_size {rows.vocab_size}, pad id {rows.pad_id}), but data.tokenizer = {data_cfg.tokenizer!r} "
+                f"has vocab_size {tokenizer.vocab_size}, pad id {tokenizer.pad_id}: repack with this tokenizer"
+            )
+        if data_cfg.packed_replan:
+            steps = RepackedSteps(
+                rows,
+                layout,
+                pad_to_multiple=data_cfg.pad_to_multiple,
+                overlong=data_cfg.overlong,
+                shuffle=data_cfg.shuffle,
+            )
+        else:
+            steps = PackedRowSteps(rows, layout, shuffle=data_cfg.shuffle)
     else:
         steps = PlannedSteps(
-            store.view(rule.T, data_cfg.overlong),
+            store.view(layout.T, data_cfg.overlong),
+            layout,
             pad_to_multiple=data_cfg.pad_to_multiple,
-            cp_size=cp_size,
-            planner=planner,
-            cost_attention=cost_attention,
-            microbatch_group=microbatch_group,
-            **common,
+            shuffle=data_cfg.shuffle,
         )
-    if not isinstance(steps, PackedRowSteps):  # rows packed offline are not planned
-        steps.hybrid_threshold = hybrid_threshold
     return THDDataLoader(steps, data_cfg.num_workers, start_step)

@@ -35,6 +35,23 @@ class ModelOutput(NamedTuple):
 
 
 @dataclass(frozen=True)
+class PipelineSpec:
+    """How a model is cut into pipeline stages (titan_thd/pipeline/split.py). The model keeps its
+    transformer blocks in an `nn.ModuleDict` named `layers` (keys "0", "1", ...); a stage runs
+    consecutive blocks, and the top-level modules named here sit on the first / last stage only."""
+
+    first: tuple[str, ...]
+    """Top-level modules of the first stage only (the embedding)."""
+    last: tuple[str, ...]
+    """Top-level modules of the last stage only (final norm, LM head, MTP)."""
+    boundary_shape: Callable[[Any, int], tuple[int, ...]]
+    """(args, local rows) -> shape of the tensor one stage sends the next (the residual stream)."""
+    tied: Callable[[nn.Module], tuple[str, ...]] = field(default=lambda model: ())
+    """full model -> modules of `first` that the last stage runs too (dsv4's MTP reads the embedding):
+    both ends hold a copy, whose gradients are summed."""
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     name: str
     flavors: dict[str, Any]
@@ -50,8 +67,12 @@ class ModelSpec:
     """The flavor of an empty `model.flavor` without a checkpoint to read the architecture from
     ("" = the first of `flavors`)."""
     parallelize: Callable[..., nn.Module] | None = None
-    """(model, parallel_dims, parallelism_config) -> model; applies TP, CP, then FSDP (CP needs no
-    wrapping: the layers read BatchMeta.cp)."""
+    """(model chunk, parallel_dims, *, parallelism, training) -> model: the model's fixed sequence
+    `apply_tp`, `apply_ep`, `apply_compile`, `apply_fsdp` on one pipeline chunk (or the whole model);
+    CP needs no wrapping (the layers read BatchMeta.cp)."""
+    pipeline: PipelineSpec | None = None
+    """How the model splits into pipeline stages; None = parallelism.pipeline_parallel_degree > 1 is
+    refused."""
     min_tokens_per_cp_rank: Callable[[Any], int] = field(default=lambda args: 1)
     """Smallest local shard (T / cp) the model supports, e.g. its CP halo width."""
     tp_divides: Callable[[Any], dict[str, int]] = field(default=lambda args: {})
@@ -82,8 +103,8 @@ class ModelSpec:
     sums the step's token losses (None on one rank), e.g. dsv4's router-bias update."""
     compile: Callable[[nn.Module], None] | None = None
     """(model chunk) -> None: training.compile, regional torch.compile in place of the model's
-    element-wise chains (titan_thd/models/compile.py), called on each chunk after `parallelize`;
-    None = that switch is refused."""
+    element-wise chains (titan_thd/models/compile.py); `parallelize` applies it (before FSDP) when
+    training.compile is on. None = that switch is refused at start-up."""
 
 
 def build_initialised(make: Callable[[], nn.Module]) -> nn.Module:

@@ -83,3 +83,18 @@ def dispatch_combine(
     y = experts(x_recv[order], recv_PL.sum(0).tolist())
     y_back = y[torch.argsort(order)]
     return all_to_all_single_autograd(y_back, send_splits, recv_splits, group)
+
+
+def validate_expert_parallel(*, degree: int, n_experts: int | None, model: str) -> None:
+    """ep must split the model's routed experts evenly (dp x cp is ParallelDims' check)."""
+    if degree == 1:
+        return
+    if n_experts is None:
+        raise ValueError(
+            f"parallelism.expert_parallel_degree = {degree}: model {model} has no routed experts; use 1"
+        )
+    if n_experts % degree:
+        raise ValueError(
+            f"parallelism.expert_parallel_degree = {degree} does not divide model {model}'s n_experts = "
+            f"{n_experts} (every rank holds n_experts / ep experts)"
+        )

@@ -9,11 +9,12 @@ neighbouring stages is one fixed-shape tensor per microbatch and direction:
     forward   stage s -> s+1   the residual stream   llama [T_local, d], dsv4 mHC [T_local, hc, d]
     backward  stage s+1 -> s   its gradient          (same shape and dtype)
 
-    layers = stage_layers(n_layers, pp, per_stage, explicit, virtual)   # ValueError before any group
-    model = split_model(spec.name, model, layers, rank, pp)             # this rank's layers only
-    chunks = chunk_views(spec.name, model, layers, rank, pp)            # one module per stage it runs
-    pipe = PipelineSchedule(chunks, rank, pp, pp_group, "1F1B", shape, dtype, device)
-    ce_sum, aux_sums = pipe.step(inputs, num_trained)                   # sums over all stages
+    layers = validate_pipeline(parallelism, n_layers, spec.pipeline, name)  # before any group
+    parts = build(model, spec, dims, ..., layers=layers)   # runner.py: split, parallelize, schedule
+    ce_sum, aux_sums = parts.runner.step(inputs, num_trained)               # sums over all stages
+
+The model says what sits on the first / last stage, what is tied and what crosses a boundary in
+its `ModelSpec.pipeline` (models/spec.py); nothing in this package knows a model by name.
 
 activations.py measures what a stage keeps per in-flight microbatch (the dry run's memory lines).
 
@@ -33,12 +34,12 @@ from titan_thd.pipeline.schedule import (
     timetable,
 )
 from titan_thd.pipeline.split import (
-    boundary_shape,
     chunk_views,
     split_model,
     stage_layers,
     stage_summary,
-    tied_first_last,
+    validate_pipeline,
+    virtual_stages,
 )
 
 __all__ = [
@@ -47,14 +48,14 @@ __all__ = [
     "Action",
     "PipelineSchedule",
     "StageInput",
-    "boundary_shape",
     "chunk_views",
     "max_in_flight",
     "rank_actions",
     "split_model",
     "stage_layers",
     "stage_summary",
-    "tied_first_last",
+    "validate_pipeline",
+    "virtual_stages",
     "tied_groups",
     "timetable",
 ]

@@ -238,6 +238,7 @@ class PipelineSchedule:
         """Forward and backward of the step's microbatches on this rank's stages; returns the CE sum
         and the aux sums of this rank's rows, each summed over every stage (other dp/cp ranks not
         added)."""
+        inputs = list(inputs)  # each microbatch's metadata is read by several ticks: build it once
         k = len(inputs)
         assert k >= 1
         if not self._checked_k:  # every stage must run the same K, or the P2P pattern deadlocks
@@ -316,6 +317,16 @@ class PipelineSchedule:
         return packed[0], {n: packed[i] for i, n in enumerate(names) if i}
 
     # ---------------------------------------------------------------- gradient norm
+    @property
+    def pp_group(self) -> dist.ProcessGroup:
+        """The other stages, whose squared gradient norms add to this rank's."""
+        return self.group
+
+    @property
+    def also_scale(self) -> list[nn.Parameter]:
+        """The last stage's copies of tied weights: clipped like the first stage's, counted there."""
+        return [] if self.is_first else list(self.tied)
+
     def norm_params(self) -> list[nn.Parameter]:
         """Parameters whose gradients count in the global norm (each once): the last stage's tied
         copies are the first stage's, counted there."""

@@ -11,6 +11,9 @@ Each rank keeps one module, `split_model`'s: the full model with the other ranks
 the module of each of its stages: a shallow view that shares its submodules with that rank module
 and holds only the stage's layers, so the views run the forward passes while the rank module owns
 the parameters (optimizer, checkpoint).
+
+Nothing here knows a model: which top-level modules sit on the first and last stages, which are
+tied and what crosses a stage boundary is the model's `PipelineSpec` (models/spec.py).
 """
 
 from __future__ import annotations
@@ -24,14 +27,75 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from titan_thd.config import parse_stage_layers
-
 if TYPE_CHECKING:
+    from titan_thd.config import Parallelism
+    from titan_thd.models.spec import PipelineSpec
     from titan_thd.pipeline.activations import SavedBytes
 
-# Top-level modules of each model family that live on the first / the last stage only.
-_FIRST = {"llama": ("tok_embeddings",), "dsv4": ("embed",)}
-_LAST = {"llama": ("norm", "output"), "dsv4": ("hc_head", "norm", "head", "mtp")}
+
+# ============================================================================ start-up rules
+def parse_stage_layers(text: str) -> list[list[int]]:
+    """`0-2|3,4|5` -> [[0, 1, 2], [3, 4], [5]]; ValueError naming the bad part."""
+    key = "parallelism.pipeline_parallel_stage_layers"
+    stages: list[list[int]] = []
+    for i, part in enumerate(text.split("|")):
+        ids: list[int] = []
+        for item in (x.strip() for x in part.split(",")):
+            lo, sep, hi = item.partition("-")
+            try:
+                ids += list(range(int(lo), int(hi) + 1)) if sep else [int(item)]
+            except ValueError:
+                raise ValueError(
+                    f"{key} = {text!r}: stage {i} has {item!r}, expected layer ids like 0,1 or ranges like 0-3"
+                ) from None
+        stages.append(ids)
+    return stages
+
+
+def virtual_stages(p: Parallelism) -> int:
+    """Pipeline stages per rank: pipeline_parallel_virtual_stages, or its default for the schedule."""
+    if p.pipeline_parallel_virtual_stages:
+        return p.pipeline_parallel_virtual_stages
+    return 2 if p.pipeline_parallel_schedule == "Interleaved1F1B" else 1
+
+
+def validate_pipeline(
+    p: Parallelism, n_layers: int, pipeline: PipelineSpec | None, model: str
+) -> list[list[int]] | None:
+    """Every pipeline rule of a run, before any process group exists; returns each stage's layer ids
+    (None at pp 1). ValueError with the numbers for a split, a schedule or a model that cannot be."""
+    if p.pipeline_parallel_layers_per_stage < 0:
+        raise ValueError(
+            f"parallelism.pipeline_parallel_layers_per_stage: got {p.pipeline_parallel_layers_per_stage}, "
+            "expected 0 (an even split) or >= 1"
+        )
+    v, schedule = p.pipeline_parallel_virtual_stages, p.pipeline_parallel_schedule
+    if v < 0 or (v == 1 and schedule == "Interleaved1F1B") or (v > 1 and schedule != "Interleaved1F1B"):
+        raise ValueError(
+            f"parallelism.pipeline_parallel_virtual_stages = {v} with pipeline_parallel_schedule = "
+            f"{schedule}: expected 0 (auto), or >= 2 with Interleaved1F1B only"
+        )
+    if p.pipeline_parallel_stage_layers and p.pipeline_parallel_layers_per_stage:
+        raise ValueError(
+            "parallelism.pipeline_parallel_stage_layers and pipeline_parallel_layers_per_stage = "
+            f"{p.pipeline_parallel_layers_per_stage} both set the stage split; set one"
+        )
+    if p.pipeline_parallel_stage_layers:  # its syntax, whatever the degree
+        parse_stage_layers(p.pipeline_parallel_stage_layers)
+    if p.pipeline_parallel_degree == 1:
+        return None
+    if pipeline is None:
+        raise ValueError(
+            f"parallelism.pipeline_parallel_degree = {p.pipeline_parallel_degree}: model {model} has no "
+            "pipeline stage split (its ModelSpec has no `pipeline`); use 1"
+        )
+    return stage_layers(
+        n_layers,
+        p.pipeline_parallel_degree,
+        p.pipeline_parallel_layers_per_stage,
+        p.pipeline_parallel_stage_layers,
+        virtual_stages(p),
+    )
 
 
 # ============================================================================ stage split
@@ -42,7 +106,9 @@ def stage_layers(
     (one line, with the numbers) for a split that cannot be."""
     key = "parallelism.pipeline_parallel"
     n_stages = pp * virtual
-    what = f"pp = {pp}" if virtual == 1 else f"pp {pp} x virtual_stages {virtual} = {n_stages}"
+    what = f"pipeline_parallel_degree = {pp}" + (
+        f" x virtual_stages {virtual} = {n_stages}" if virtual > 1 else ""
+    )
     if explicit:
         stages = parse_stage_layers(explicit)
         flat = [i for s in stages for i in s]
@@ -78,33 +144,33 @@ def stage_layers(
     return [list(range(a, a + n)) for a, n in zip(starts, sizes)]
 
 
-def tied_first_last(model_name: str, model: nn.Module) -> tuple[str, ...]:
-    """Modules of the first stage that the last stage also needs: dsv4's MTP reads the embedding."""
-    if model_name == "dsv4" and len(model.mtp) and model.args.mtp_loss_weight > 0:
-        return ("embed",)
-    return ()
-
-
 def split_model(
-    model_name: str, model: nn.Module, layers: list[list[int]], rank: int, pp: int = 0
+    pipeline: PipelineSpec,
+    model: nn.Module,
+    layers: list[list[int]],
+    rank: int,
+    pp: int = 0,
+    tied: tuple[str, ...] = (),
 ) -> nn.Module:
     """This rank's part of a full model, in place: the layers of its stages (rank, rank + pp, ...)
     stay, the others are deleted, and the first / last stage's top-level modules are set to None
-    where they do not belong. `pp` defaults to one stage per rank."""
-    if model_name not in _FIRST:
-        raise ValueError(
-            f"model {model_name}: no pipeline stage split is defined (known: {', '.join(_FIRST)})"
-        )
+    where they do not belong (`tied` ones, `pipeline.tied` of the full model, stay on the last stage
+    too). `pp` defaults to one stage per rank."""
     pp = pp or len(layers)
     keep = {str(i) for s in range(rank, len(layers), pp) for i in layers[s]}
     for name in [n for n in model.layers if n not in keep]:
         del model.layers[name]
-    _drop_end_modules(model_name, model, first=rank == 0, last=rank == pp - 1)
+    _drop_end_modules(pipeline, model, first=rank == 0, last=rank == pp - 1, tied=tied)
     return model
 
 
 def chunk_views(
-    model_name: str, rank_model: nn.Module, layers: list[list[int]], rank: int, pp: int
+    pipeline: PipelineSpec,
+    rank_model: nn.Module,
+    layers: list[list[int]],
+    rank: int,
+    pp: int,
+    tied: tuple[str, ...] = (),
 ) -> list[nn.Module]:
     """The module of each of this rank's stages (rank, rank + pp, ...), in order: views that share
     `rank_model`'s submodules (so its parameters) and hold only their stage's layers. With one stage
@@ -114,37 +180,38 @@ def chunk_views(
         return [rank_model]
     views = []
     for s in stages:
-        view = copy.copy(rank_model)
-        # copy.copy shares the module's dicts: give the view its own (children, hooks, ...).
-        for key, value in vars(rank_model).items():
-            if isinstance(value, dict):
-                setattr(view, key, type(value)(value))
+        view = _view(rank_model)
         view.layers = nn.ModuleDict({str(i): rank_model.layers[str(i)] for i in layers[s]})
-        _drop_end_modules(model_name, view, first=s == 0, last=s == len(layers) - 1)
+        _drop_end_modules(pipeline, view, first=s == 0, last=s == len(layers) - 1, tied=tied)
         views.append(view)
     return views
 
 
-def _drop_end_modules(model_name: str, model: nn.Module, first: bool, last: bool) -> None:
-    tied = tied_first_last(model_name, model)
+def _view(model: nn.Module) -> nn.Module:
+    """A shallow copy that shares `model`'s submodules but has dicts of its own (children, hooks, ...),
+    so that setting a child on the copy leaves `model` as it is."""
+    view = copy.copy(model)
+    for key, value in vars(model).items():
+        if isinstance(value, dict):
+            setattr(view, key, type(value)(value))
+    return view
+
+
+def _drop_end_modules(
+    pipeline: PipelineSpec, model: nn.Module, first: bool, last: bool, tied: tuple[str, ...]
+) -> None:
     if not first:
-        for name in _FIRST[model_name]:
+        for name in pipeline.first:
             if not (last and name in tied):
                 setattr(model, name, None)
     if not last:
-        for name in _LAST[model_name]:
+        for name in pipeline.last:
             setattr(model, name, None)
-
-
-def boundary_shape(model_args: Any, local_tokens: int) -> tuple[int, ...]:
-    """Shape of the tensor between two stages: the residual stream (dsv4: its hc_mult mHC copies)."""
-    hc = getattr(model_args, "hc_mult", None)
-    return (local_tokens, model_args.dim) if hc is None else (local_tokens, hc, model_args.dim)
 
 
 def stage_summary(
     build_meta: Callable[[], nn.Module],
-    model_name: str,
+    pipeline: PipelineSpec,
     layers: list[list[int]],
     parallel_dims: Any,
     schedule: str,
@@ -167,15 +234,13 @@ def stage_summary(
     itemsize = torch.empty((), dtype=dtype).element_size()
     boundary = math.prod(shape) * itemsize / 2**20
     full = build_meta()
+    tied = pipeline.tied(full)
     lines = []
     for rank in range(pp):
         # A view that shares the full model's modules (same FQNs): one meta build for all ranks.
-        part = copy.copy(full)
-        for key, value in vars(full).items():
-            if isinstance(value, dict):
-                setattr(part, key, type(value)(value))
+        part = _view(full)
         part.layers = nn.ModuleDict(full.layers)
-        split_model(model_name, part, layers, rank, pp)
+        split_model(pipeline, part, layers, rank, pp, tied)
         muon = matrix_params(part) if optimizer == "muon" and matrix_params else ()
         mem = estimate_memory_per_rank(part, parallel_dims, optimizer, dtype, muon)
         ids = ", ".join(f"{layers[s][0]}-{layers[s][-1]}" for s in range(rank, len(layers), pp))

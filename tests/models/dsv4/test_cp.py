@@ -5,8 +5,11 @@ indexer KL on) is split with `partition(..., "contiguous")`; every rank runs the
 with the left halo and the compressed-entry all-gather. The reference is the same model on the
 whole microbatch in this process. Compared: the logits (concatenated over ranks), the CE / MTP /
 indexer sums and every parameter gradient (summed over ranks, as FSDP's reduce-scatter does), and
-the routers' expert loads, in float64 (rel 1e-10) and float32 (rel 1e-5), with the sparse and the
-dense indexer KL, and on a batch where one rank holds padding only. `_coverage` asserts that the
+the routers' expert loads, in float64 (rel 1e-10) and in float32, with the sparse and the dense
+indexer KL, and on a batch where one rank holds padding only. In float32 CP sums the gradients in
+another order than one process, so it is held to the accuracy one process reaches: its error
+against the float64 result at most twice the one-process float32 error, plus 1e-6 (a fixed float32
+bound, e.g. 1e-5, held on one CPU and failed at 1.007e-5 on another). `_coverage` asserts that the
 main batch really has the boundary cases for each CP degree, instead of trusting a comment.
 """
 
@@ -30,7 +33,7 @@ IDLE_RANK = {"lengths": [90], "tail": 38, "seed": 4, "trained": 0.8}
 # name -> (batch, dtype, relative tolerance, micro() overrides)
 CASES = {
     "float64": (BATCH, torch.float64, 1e-10, {}),
-    "float32": (BATCH, torch.float32, 1e-5, {}),
+    "float32": (BATCH, torch.float32, None, {}),  # as accurate as one process (module docstring)
     "dense-kl": (BATCH, torch.float64, 1e-10, {"indexer_loss_mode": "dense"}),
     "idle-rank": (IDLE_RANK, torch.float64, 1e-10, {}),
 }
@@ -177,7 +180,13 @@ def _check_parity(cp: int, per_rank: list, reference: dict) -> None:
             f"cp {cp} {name}: max rel error {errors[worst]:.2e} ({worst}); loss terms "
             + ", ".join(f"{k} {errors[k]:.1e}" for k in ("ce", "mtp", "indexer"))
         )
-        assert errors[worst] <= tol, (cp, name, worst, errors[worst])
+        if tol is not None:
+            assert errors[worst] <= tol, (cp, name, worst, errors[worst])
+            continue
+        exact = reference["float64"]  # the same batch and weights in float64
+        for k in errors:
+            cp_error, one_error = _rel(got[k], exact[k]), _rel(ref[k], exact[k])
+            assert cp_error <= 2 * one_error + 1e-6, (cp, name, k, cp_error, one_error)
         for k in ref:
             if k.startswith("load."):
                 assert torch.equal(got[k], ref[k]), (cp, k)

@@ -96,7 +96,7 @@ def test_an_explicit_flavor_must_match_and_no_flavor_without_checkpoint_is_the_d
         ValueError, match=r"config.json does not match model.flavor = 'tiny': .*dim: checkpoint 96 vs 256"
     ):
         check_inputs(_cfg(tmp_path, "--model.hf_path", str(path), "--model.flavor", "tiny"), 1)
-    _, _, args, _ = check_inputs(_cfg(tmp_path), 1)  # no checkpoint: dsv4's default flavor
+    args = check_inputs(_cfg(tmp_path), 1).model_args  # no checkpoint: dsv4's default flavor
     assert args == dataclasses.replace(flavors["tiny"], vocab_size=320)
-    _, _, args, _ = check_inputs(load_config([*TRAIN_ARGS, "--job.dump_folder", str(tmp_path)]), 1)
+    args = check_inputs(load_config([*TRAIN_ARGS, "--job.dump_folder", str(tmp_path)]), 1).model_args
     assert args == dataclasses.replace(llama_flavors["debug"], vocab_size=320)  # llama's default flavor

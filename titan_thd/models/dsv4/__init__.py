@@ -17,7 +17,7 @@ from titan_thd.models.dsv4.flops import flops_per_step
 from titan_thd.models.dsv4.hf_interop import check_hf, export_hf, hf_args, load_hf, load_hf_into
 from titan_thd.models.dsv4.model import DSv4Model, build_dsv4, per_document_logits
 from titan_thd.models.dsv4.parallelize import apply_compile, parallelize_dsv4, tp_divides
-from titan_thd.models.spec import ModelSpec
+from titan_thd.models.spec import ModelSpec, PipelineSpec
 
 
 def matrix_params(model: nn.Module) -> list[str]:
@@ -58,6 +58,18 @@ def narrow(args: DSv4Args, f: int) -> tuple[DSv4Args, list[int]]:
     return narrowed, [unique.index(kind) for kind in kinds]
 
 
+def mtp_reads_embedding(model: DSv4Model) -> tuple[str, ...]:
+    """Pipeline parallelism: the MTP block on the last stage embeds the next tokens with `embed`."""
+    return ("embed",) if len(model.mtp) and model.args.mtp_loss_weight > 0 else ()
+
+
+PIPELINE = PipelineSpec(
+    first=("embed",),
+    last=("hc_head", "norm", "head", "mtp"),
+    boundary_shape=lambda args, rows: (rows, args.hc_mult, args.dim),  # the mHC streams
+    tied=mtp_reads_embedding,
+)
+
 spec = ModelSpec(
     name="dsv4",
     flavors=flavors,
@@ -66,6 +78,7 @@ spec = ModelSpec(
     flops_per_step=flops_per_step,
     cp_mode=CP_MODE,
     parallelize=parallelize_dsv4,
+    pipeline=PIPELINE,
     tp_divides=tp_divides,
     min_tokens_per_cp_rank=lambda args: args.halo,
     matrix_params=matrix_params,

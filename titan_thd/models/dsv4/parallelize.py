@@ -1,5 +1,7 @@
-"""Parallelise a DSv4 model: tensor parallel -> expert parallel -> context parallel -> FSDP, in
-that fixed order (tensor and expert parallelism do not combine yet: ParallelDims refuses it).
+"""Parallelise a DSv4 model: tensor parallel -> expert parallel -> compile -> FSDP, in that fixed
+order (context parallelism needs no wrapping: the attention reads BatchMeta.cp, contiguous mode
+only; under TP every tp rank exchanges its halo and entries with the CP neighbours of its own tp
+coordinate). Tensor and expert parallelism do not combine yet (refused at start-up).
 
 Expert parallelism (docs/design.md §5.2): each rank keeps E / ep routed experts, which FSDP
 shards as units of their own over `efsdp`.
@@ -12,6 +14,8 @@ the LM head are vocabulary-parallel.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -21,7 +25,6 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from titan_thd.config import Parallelism
 from titan_thd.models.compile import compiled
 from titan_thd.models.dsv4.attention import Attention
 from titan_thd.models.dsv4.block import Block
@@ -39,14 +42,18 @@ from titan_thd.parallel.tensor_parallel import (
     collect_replicated_grads,
 )
 
+if TYPE_CHECKING:
+    from titan_thd.config import Parallelism, Training
+
 
 def parallelize_dsv4(
-    model: DSv4Model, parallel_dims: ParallelDims, parallelism_cfg: Parallelism
+    model: DSv4Model, parallel_dims: ParallelDims, *, parallelism: Parallelism, training: Training
 ) -> DSv4Model:
-    """Apply the parallelisms of `parallel_dims` (the degrees in `parallelism_cfg` are already in it)."""
+    """The model (or one pipeline chunk of it) under the layout of `parallel_dims`."""
     apply_tp(model, parallel_dims)
     expert_units = apply_ep(model, parallel_dims)
-    apply_cp(model, parallel_dims)
+    if training.compile:
+        apply_compile(model)
     apply_fsdp(model, parallel_dims, expert_units)
     return model
 
@@ -141,11 +148,6 @@ def apply_ep(model: DSv4Model, parallel_dims: ParallelDims) -> list[tuple[nn.Mod
     expert_parallel.apply_ep(moes, parallel_dims.get_mesh("ep").get_group())
     efsdp_mesh = parallel_dims.get_mesh("efsdp")
     return [(m.experts, efsdp_mesh) for m in moes]
-
-
-def apply_cp(model: DSv4Model, parallel_dims: ParallelDims) -> None:
-    """Nothing to wrap: the attention reads BatchMeta.cp (contiguous mode only); under TP every
-    tp rank exchanges its halo and entries with the CP neighbours of its own tp coordinate."""
 
 
 def apply_fsdp(

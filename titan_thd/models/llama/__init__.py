@@ -5,7 +5,7 @@ import dataclasses
 from titan_thd.models.llama.args import LlamaArgs, flavors, flops_per_step
 from titan_thd.models.llama.model import Llama, build_llama, padded_logits
 from titan_thd.models.llama.parallelize import apply_compile, parallelize_llama, tp_divides
-from titan_thd.models.spec import ModelSpec
+from titan_thd.models.spec import ModelSpec, PipelineSpec
 
 
 def narrow(args: LlamaArgs, f: int) -> tuple[LlamaArgs, list[int]]:
@@ -28,6 +28,11 @@ spec = ModelSpec(
     # Only the zigzag split balances causal attention (titan_thd.ops.cp_attention).
     cp_mode="zigzag",
     parallelize=parallelize_llama,
+    pipeline=PipelineSpec(
+        first=("tok_embeddings",),
+        last=("norm", "output"),
+        boundary_shape=lambda args, rows: (rows, args.dim),
+    ),
     padded_forward=padded_logits,
     tp_divides=tp_divides,
     narrow=narrow,

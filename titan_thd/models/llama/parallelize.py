@@ -1,10 +1,13 @@
-"""Parallelise a Llama model: tensor parallel -> context parallel -> FSDP, in that fixed order.
+"""Parallelise a Llama model: tensor parallel -> compile -> FSDP, in that fixed order (context
+parallelism needs no wrapping: the attention reads BatchMeta.cp).
 
 docs/design.md §5.1: Megatron-style TP with sequence parallelism on the token rows and a
 vocabulary-parallel LM head (components/loss.py computes the loss on its `Shard(-1)` logits).
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
@@ -17,16 +20,21 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from titan_thd.config import Parallelism
 from titan_thd.models.compile import compiled
 from titan_thd.models.llama.model import FeedForward, Llama, swiglu
 from titan_thd.parallel.parallel_dims import ParallelDims
 
+if TYPE_CHECKING:
+    from titan_thd.config import Parallelism, Training
 
-def parallelize_llama(model: Llama, parallel_dims: ParallelDims, parallelism_cfg: Parallelism) -> Llama:
-    """Apply the parallelisms of `parallel_dims` (the degrees in `parallelism_cfg` are already in it)."""
+
+def parallelize_llama(
+    model: Llama, parallel_dims: ParallelDims, *, parallelism: Parallelism, training: Training
+) -> Llama:
+    """The model (or one pipeline chunk of it) under the layout of `parallel_dims`."""
     apply_tp(model, parallel_dims)
-    apply_cp(model, parallel_dims)
+    if training.compile:
+        apply_compile(model)
     apply_fsdp(model, parallel_dims)
     return model
 
@@ -82,11 +90,6 @@ def apply_tp(model: Llama, parallel_dims: ParallelDims) -> None:
     if tp_mesh is None:
         return
     parallelize_module(model, tp_mesh, tp_plan(model))
-
-
-def apply_cp(model: Llama, parallel_dims: ParallelDims) -> None:
-    """Nothing to wrap: the attention op reads the CP group, rank and mode from BatchMeta.cp
-    (titan_thd/parallel/context_parallel.py); under TP each tp rank runs CP on its heads."""
 
 
 def apply_fsdp(model: Llama, parallel_dims: ParallelDims) -> None:

@@ -1,0 +1,152 @@
+"""The front door of the model's execution: one `build` for every layout, one runner interface.
+
+    parts = build(model, spec, dims, parallelism=p, training=t, layers=layers, device=device)
+    ce_sum, aux_sums = parts.runner.step(inputs, num_trained)   # forward + backward of a step
+    ce_sum = parts.runner.forward_only(inputs)                   # validation
+    clip_grad_norm_(parts.runner.norm_params(), ..., pp_group=parts.runner.pp_group,
+                    also_scale=parts.runner.also_scale)
+
+`build` cuts the model into this rank's pipeline stages when `layers` is given (split.py; the model's
+`PipelineSpec` says what sits where), runs the model's `parallelize` on each chunk (TP, EP, compile,
+FSDP: its own fixed sequence) and returns the rank's module (which owns the parameters: optimizer,
+checkpoint) with a runner: the `PipelineSchedule` (schedule.py), or without pipeline parallelism a
+`LocalRunner` with the same three methods, so that the trainer and validation have one code path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from titan_thd.components.loss import cross_entropy_sum, loss_context
+from titan_thd.models.spec import ModelSpec, count_params
+from titan_thd.parallel.fsdp import materialize_sharded
+from titan_thd.parallel.parallel_dims import ParallelDims
+from titan_thd.parallel.tensor_parallel import reduce_replicated_grads
+from titan_thd.pipeline.schedule import PipelineSchedule, StageInput, tied_groups
+from titan_thd.pipeline.split import chunk_views, split_model
+
+if TYPE_CHECKING:
+    from titan_thd.config import Parallelism, Training
+    from titan_thd.data.packed_batch import PackedBatch
+
+
+class LocalRunner:
+    """The model of a rank without pipeline parallelism, behind the schedule's interface."""
+
+    pp_group = None
+    """No other pipeline stages to add gradient norms from."""
+    also_scale: tuple[nn.Parameter, ...] = ()
+    """No stage copies of tied weights to clip without counting them."""
+
+    def __init__(self, model: nn.Module, tensor_parallel: bool, device: torch.device):
+        self.model, self.tensor_parallel, self.device = model, tensor_parallel, device
+
+    def step(
+        self, inputs: Sequence[StageInput], num_trained: int
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Forward and backward of every microbatch, one after the other; each backpropagates
+        (CE sum + aux sums) / num_trained. Returns this rank's CE sum and aux sums (detached)."""
+        ce_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        aux_sums: dict[str, torch.Tensor] = {}
+        for inp in inputs:
+            with loss_context(self.tensor_parallel):  # must cover the backward too
+                out = self.model(inp.tokens, inp.meta)
+                ce = cross_entropy_sum(out.logits, inp.labels, inp.loss_mask)
+                aux = sum(out.aux_losses.values(), torch.zeros((), device=ce.device))
+                ((ce + aux) / num_trained).backward()
+            ce_sum += ce.detach()
+            for k, v in out.aux_losses.items():
+                aux_sums[k] = aux_sums.get(k, 0) + v.detach().double()
+        reduce_replicated_grads(self.model)  # TP: parameters used on each rank's rows / heads
+        return ce_sum, aux_sums
+
+    @torch.no_grad()
+    def forward_only(self, inputs: Sequence[StageInput]) -> torch.Tensor:
+        """The CE sum of this rank's rows of the microbatches (no backward: validation)."""
+        ce = torch.zeros((), dtype=torch.float64, device=self.device)
+        for inp in inputs:
+            with loss_context(self.tensor_parallel):
+                out = self.model(inp.tokens, inp.meta)
+                ce += cross_entropy_sum(out.logits, inp.labels, inp.loss_mask).double()
+        return ce
+
+    def norm_params(self) -> list[nn.Parameter]:
+        return list(self.model.parameters())
+
+
+class LazyInputs(Sequence):
+    """The StageInputs of microbatches, built when read and not kept: a runner that visits each
+    microbatch once holds the metadata (and the per-microbatch plans cached in it) of one at a time."""
+
+    def __init__(self, microbatches: Sequence[PackedBatch], prepare: Callable[[PackedBatch], StageInput]):
+        self.microbatches, self.prepare = microbatches, prepare
+
+    def __len__(self) -> int:
+        return len(self.microbatches)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        assert isinstance(i, int), "LazyInputs is read one microbatch at a time"
+        return self.prepare(self.microbatches[i])
+
+
+@dataclass
+class ModelParts:
+    module: nn.Module
+    """This rank's module: it owns the parameters (optimizer, checkpoint); under pipeline
+    parallelism the model with the other ranks' layers removed, whose chunks the schedule runs."""
+    runner: LocalRunner | PipelineSchedule
+    num_params: int
+    """Parameters of this rank's stages, counted before expert parallelism drops other ranks' experts."""
+
+
+def build(
+    model: nn.Module,
+    spec: ModelSpec,
+    dims: ParallelDims,
+    *,
+    parallelism: Parallelism,
+    training: Training,
+    model_args,
+    layers: list[list[int]] | None,
+    device: torch.device,
+    dtype: torch.dtype,
+    fake: bool = False,
+) -> ModelParts:
+    """This rank's part of the full `model` under the layout (`layers`: each pipeline stage's layer
+    ids, None without pipeline parallelism), on `device`, with its runner. Every rank must call it
+    (process groups of tied weights are created collectively)."""
+    chunks, tied = [model], ()
+    if layers is not None:  # keep this rank's stages only (before sharding them over dp x cp)
+        assert spec.pipeline is not None, spec.name  # validate_pipeline refused it at start-up
+        pp_rank, pp = dims.mesh_rank("pp"), dims.pp
+        tied = spec.pipeline.tied(model)
+        model = split_model(spec.pipeline, model, layers, pp_rank, pp, tied)
+        chunks = chunk_views(spec.pipeline, model, layers, pp_rank, pp, tied)
+    num_params = count_params(model)
+    if spec.parallelize is not None:  # each chunk is sharded as a model of its own
+        chunks = [spec.parallelize(c, dims, parallelism=parallelism, training=training) for c in chunks]
+    if fake:
+        materialize_sharded(model)
+    model = model.to(device).train()
+    if layers is None:
+        return ModelParts(model, LocalRunner(model, dims.tp_enabled, device), num_params)
+    on_end = pp_rank in (0, pp - 1)
+    tied_group = tied_groups(dims) if tied else None
+    schedule = PipelineSchedule(
+        chunks,
+        pp_rank,
+        pp,
+        dims.get_mesh("pp").get_group(),
+        parallelism.pipeline_parallel_schedule,
+        spec.pipeline.boundary_shape(model_args, training.tokens_per_microbatch // dims.cp),
+        dtype,
+        device,
+        tied=[q for n in tied for q in getattr(model, n).parameters()] if on_end else [],
+        tied_group=tied_group if on_end else None,
+    )
+    return ModelParts(model, schedule, num_params)
