@@ -38,12 +38,13 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-from titan_thd import pipeline
 from titan_thd.data.batch_meta import BatchMeta
 from titan_thd.data.mock import mock_lengths
 from titan_thd.data.packer import pack_microbatch
 from titan_thd.models import get_model_args, get_model_spec
 from titan_thd.parallel.spawn import spawn
+from titan_thd.pipeline import schedule as pipeline_schedule
+from titan_thd.pipeline import split as pipeline_split
 
 
 class _Sample:
@@ -77,7 +78,7 @@ class _Held:
         self.live.now -= self.n
 
 
-class _TimedSchedule(pipeline.PipelineSchedule):
+class _TimedSchedule(pipeline_schedule.PipelineSchedule):
     """The schedule with its P2P calls timed and the bytes it sends counted."""
 
     def __init__(self, *args, **kwargs):
@@ -131,10 +132,12 @@ def _stage_bench(rank: int, world_size: int, opts: dict) -> dict:
     torch.manual_seed(0)
     model = spec.build(args)
     virtual = 2 if opts["schedule"] == "Interleaved1F1B" else 1
-    layers = pipeline.stage_layers(args.n_layers, world_size, virtual=virtual)
+    layers = pipeline_split.stage_layers(args.n_layers, world_size, virtual=virtual)
     tied = spec.pipeline.tied(model)
-    model = pipeline.split_model(spec.pipeline, model, layers, rank, world_size, tied).to(device).train()
-    chunks = pipeline.chunk_views(spec.pipeline, model, layers, rank, world_size, tied)
+    model = (
+        pipeline_split.split_model(spec.pipeline, model, layers, rank, world_size, tied).to(device).train()
+    )
+    chunks = pipeline_split.chunk_views(spec.pipeline, model, layers, rank, world_size, tied)
     shape = spec.pipeline.boundary_shape(args, opts["tokens"])
     group = dist.new_group(list(range(world_size)))
     sched = _TimedSchedule(chunks, rank, world_size, group, opts["schedule"], shape, torch.float32, device)
@@ -144,7 +147,7 @@ def _stage_bench(rank: int, world_size: int, opts: dict) -> dict:
 
         def inputs(mbs=mbs):
             return [
-                pipeline.StageInput(
+                pipeline_schedule.StageInput(
                     mb.tokens.to(device),
                     BatchMeta.from_batch(mb, device=device),
                     mb.labels.to(device),
@@ -190,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="llama", choices=["llama", "dsv4"])
     ap.add_argument("--flavor", default="debug")
     ap.add_argument("--pp", type=int, default=2)
-    ap.add_argument("--schedule", default="1F1B", choices=list(pipeline.SCHEDULES))
+    ap.add_argument("--schedule", default="1F1B", choices=list(pipeline_schedule.SCHEDULES))
     ap.add_argument("--tokens", type=int, default=1024, help="tokens per microbatch (T)")
     ap.add_argument("--vocab", type=int, default=320)
     ap.add_argument("--repeats", type=int, default=3)

@@ -26,10 +26,12 @@ _REFS = rf"(?P<refs>[ \t]+(?:{_RUN}(?:[ \t]*,?[ \t]*{_PITFALL})?|{_PITFALL}))?"
 POINTER = re.compile(rf"docs/(?P<name>[\w-]+)\.md{_REFS}")
 DOC_POINTER = re.compile(rf"(?<![\w/.-])(?:docs/)?(?P<name>[\w-]+)\.md{_REFS}")  # inside docs/
 BARE = re.compile(rf"(?P<refs>{_RUN}(?:[ \t]*,?[ \t]*{_PITFALL})?|{_PITFALL})")
-# References to notes that live outside the repository, or to their old names.
+# References to notes that live outside the repository, or to their old names; and to the issue
+# tracker, which a reader of the code does not have ("issue 13", "the CP issue").
 OLD_STYLE = re.compile(
     r"DESIGN\.md|\bresearch\b[ \t]*(?:§|/|note|[\w-]+\.md)|megatron_thd_spec|dsv4_architecture"
     r"|cpu_feasibility|torchtitan_anchor|tp_pp_ep\b|\.\./shared|shared/research"
+    r"|\b[Ii]ssues?[ \t]+#?\d+|\bthe[ \t]+[\w-]+[ \t]+issue\b"
 )
 LEFTOVER = re.compile(r"§|\bpitfalls?[ \t]+\d|\bsections?[ \t]+\d")
 HEADING = re.compile(r"^#{1,6}[ \t]+(?P<title>.+?)[ \t]*$", re.MULTILINE)
@@ -165,6 +167,12 @@ def test_checker_accepts_valid_pointers(tmp_path, code):
         ('"""See docs/other.md §1."""\n', "docs/other.md does not exist"),
         ('"""See DESIGN.md section 3.1."""\n', "reference outside the repository: 'DESIGN.md'"),
         ('"""See research §9.2."""\n', "reference outside the repository: 'research §'"),
+        (
+            "# pipeline parallelism (issue 10): the stage split\n",
+            "reference outside the repository: 'issue 10'",
+        ),
+        ('"""2x slower, issue 13 note."""\n', "reference outside the repository: 'issue 13'"),
+        ('"""added by the CP issue"""\n', "reference outside the repository: 'the CP issue'"),
         ('"""(pitfall 10)"""\n', "'pitfall 1' is not part of a docs/<name>.md pointer"),
         ('"""(§9.2)"""\n', "'§' is not part of a docs/<name>.md pointer"),
     ],

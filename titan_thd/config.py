@@ -12,7 +12,6 @@ process group exists.
 from __future__ import annotations
 
 import ast
-import dataclasses
 import difflib
 import json
 import os
@@ -24,8 +23,11 @@ from typing import Any, Literal
 
 from titan_thd.data.planner import Policy
 from titan_thd.data.sources import Schema
+from titan_thd.data.tokenizer import ChatTemplate
 from titan_thd.jsonfile import read_json_object
+from titan_thd.models import ModelName
 from titan_thd.parallel.context_parallel import CPConfigMode
+from titan_thd.pipeline import Schedule
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -52,7 +54,7 @@ class Job:
 
 @dataclass
 class Model:
-    name: Literal["llama", "dsv4"] = "llama"
+    name: ModelName = "llama"
     """Model family: `llama` (dense GQA transformer) or `dsv4` (DeepSeek-V4-Flash hybrid)."""
     flavor: str = ""
     """Size preset of the model family (llama: debug, bench; dsv4: micro, tiny, flash). Empty: with
@@ -60,16 +62,11 @@ class Model:
     family's default (llama debug, dsv4 tiny). A flavor given with model.hf_path must match config.json."""
     hf_path: str = ""
     """Hugging Face checkpoint folder (config.json + safetensors) to initialise the weights from."""
-    attention_backend: Literal["native", "te"] = "native"
-    """`native` (pure PyTorch, the reference) or `te` (Transformer Engine, CUDA only)."""
-    mtp_loss_weight: float = 0.1
-    """dsv4: weight of the multi-token-prediction loss."""
-    indexer_loss_coeff: float = 0.01
-    """dsv4: coefficient of the lightning-indexer KL loss (0 disables it)."""
-    indexer_loss_mode: Literal["dense", "sparse"] = "sparse"
-    """dsv4: `dense` (KL over every visible compressed entry) or `sparse` (only the top-k)."""
-    router_bias_update_rate: float = 0.001
-    """dsv4: step size of the aux-loss-free expert bias update (0 freezes the bias)."""
+    args: dict = field(default_factory=dict)
+    """Model-specific settings over the flavor's: a TOML table [model.args] or `--model.args.NAME VALUE`,
+    each a field of the family's args dataclass (titan_thd/models/<name>/args.py, with its
+    docstring), e.g. llama attention_backend; dsv4 mtp_loss_weight, indexer_loss_coeff,
+    indexer_loss_mode, router_bias_update_rate. An unknown name is refused with the model's list."""
 
 
 @dataclass
@@ -83,7 +80,7 @@ class Data:
     """Record schema: `auto` (detect from the columns), `messages`, `sharegpt`, `alpaca` or `text`."""
     tokenizer: str = "byte"
     """`byte` (built-in byte-level tokenizer) or a path to a Hugging Face `tokenizer.json`."""
-    chat_template: Literal["auto", "simple", "deepseek"] = "auto"
+    chat_template: ChatTemplate = "auto"
     """How chat records are rendered: `simple` (the project's markers), `deepseek` (DeepSeek-V4's own
     format, needs its tokenizer.json) or `auto` (deepseek for a tokenizer with DeepSeek's chat tokens)."""
     mock_config: dict = field(
@@ -208,7 +205,7 @@ class Parallelism:
     """Ranks that split attention heads and MLP columns."""
     pipeline_parallel_degree: int = 1
     """Pipeline stages."""
-    pipeline_parallel_schedule: Literal["1F1B", "GPipe", "Interleaved1F1B"] = "1F1B"
+    pipeline_parallel_schedule: Schedule = "1F1B"
     """Pipeline schedule: `1F1B` (at most pp - rank microbatches in flight), `GPipe` (all forwards,
     then all backwards) or `Interleaved1F1B` (each rank runs `pipeline_parallel_virtual_stages`
     stages, which shrinks the bubble by that factor; the planner then makes the microbatch count a
@@ -341,8 +338,9 @@ def _closest(name: str, options: list[str]) -> str:
 
 
 # ============================================================================ coercion
-def _coerce(key: str, value: Any, typ: Any, from_cli: bool) -> Any:
-    """Convert `value` to `typ`; ValueError naming the key, the value and the expected type."""
+def coerce(key: str, value: Any, typ: Any, from_cli: bool) -> Any:
+    """Convert `value` to `typ` (from the command line: from its text); ValueError naming the key, the
+    value and the expected type. Also used for the entries of [model.args] (titan_thd/inputs.py)."""
 
     def bad(expected: str) -> ValueError:
         return ValueError(f"{key}: got {value!r}, expected {expected}")
@@ -384,6 +382,13 @@ def _coerce(key: str, value: Any, typ: Any, from_cli: bool) -> Any:
         if isinstance(value, str):
             return value
         raise bad("a string")
+    if typing.get_origin(typ) is tuple:  # tuple[X, ...]: a list, or comma-separated on the command line
+        if from_cli and isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, (list, tuple)):
+            raise bad("a list")
+        item = typing.get_args(typ)[0]
+        return tuple(coerce(f"{key}[{i}]", v, item, from_cli) for i, v in enumerate(value))
     if typ is dict or typing.get_origin(typ) is dict:
         if isinstance(value, dict):
             return value
@@ -410,11 +415,44 @@ def _json_table(key: str, value: str) -> dict:
 
 
 # ============================================================================ loading
+# Fields that are open tables: `--section.field.KEY VALUE` sets one entry (checked by the component
+# that reads the table).
+_TABLES = ("model.args",)
+# [model] settings that moved into [model.args] (they belong to one model family).
+_MOVED_TO_MODEL_ARGS = (
+    "attention_backend",
+    "mtp_loss_weight",
+    "indexer_loss_coeff",
+    "indexer_loss_mode",
+    "router_bias_update_rate",
+)
+
+
+def _table_entry(value: Any, from_cli: bool) -> Any:
+    """A table entry's value: from the command line a TOML literal when it reads as one (0.2, true,
+    ["a", "b"]), else the text itself; from a TOML file as it is."""
+    if not from_cli or not isinstance(value, str):
+        return value
+    try:
+        return tomllib.loads(f"v = {value}")["v"]
+    except tomllib.TOMLDecodeError:
+        return value
+
+
 def _apply(cfg: Config, key: str, value: Any, from_cli: bool, origin: str) -> None:
     sections = _section_types()
     section, _, name = key.partition(".")
     if section not in sections or not name:
         raise ValueError(f"{origin}: unknown config section '{section}'.{_closest(section, list(sections))}")
+    table, _, entry = key.rpartition(".")
+    if table in _TABLES and entry:
+        getattr(getattr(cfg, section), table.partition(".")[2])[entry] = _table_entry(value, from_cli)
+        return
+    if section == "model" and name in _MOVED_TO_MODEL_ARGS:
+        raise ValueError(
+            f"{origin}: model.{name} is a setting of one model family: write it as --model.args.{name} "
+            f"VALUE (TOML: `{name} = ...` under [model.args])"
+        )
     cls = sections[section]
     names = [f.name for f in fields(cls)]
     if name not in names:
@@ -422,7 +460,7 @@ def _apply(cfg: Config, key: str, value: Any, from_cli: bool, origin: str) -> No
             f"{origin}: unknown key '{key}'.{_closest(name, names)} Valid keys of [{section}]: {', '.join(names)}"
         )
     try:
-        coerced = _coerce(key, value, _field_type(cls, name), from_cli)
+        coerced = coerce(key, value, _field_type(cls, name), from_cli)
     except ValueError as e:
         raise ValueError(f"{origin}: {e}") from None
     setattr(getattr(cfg, section), name, coerced)
@@ -627,10 +665,6 @@ def help_text() -> str:
         "Errors in the input are one `error:` line (exit code 2); TITAN_THD_DEBUG=1 shows the traceback."
     )
     return "\n".join(lines)
-
-
-def as_dict(cfg: Config) -> dict[str, dict[str, Any]]:
-    return dataclasses.asdict(cfg)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,13 +22,14 @@ import json
 import logging
 import os
 import shutil
+import typing
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 
 from titan_thd.components.checkpoint import CheckpointManager, model_fingerprint
-from titan_thd.config import Config, Parallelism, validate
+from titan_thd.config import Config, Parallelism, coerce, validate
 from titan_thd.data.dataloader import DataLayout, OrderedSteps, build_dataloader
 from titan_thd.data.rows import RowRule, row_rule
 from titan_thd.data.stores import build_stores, check_validation_path
@@ -43,10 +44,6 @@ from titan_thd.parallel.tensor_parallel import validate_tensor_parallel
 from titan_thd.pipeline.split import validate_pipeline
 
 logger = logging.getLogger("titan_thd")
-
-# Model config fields that are not model arguments (every other field of [model] that the
-# flavor's args dataclass also has overrides the flavor).
-_NOT_MODEL_ARGS = ("name", "flavor", "hf_path")
 
 
 def hf_vocab_size(path: str, tokenizer_vocab: int) -> int:
@@ -146,16 +143,7 @@ def check_inputs(cfg: Config, world_size: int) -> Inputs:
         folder = Path(job.dump_folder) / cfg.checkpoint.folder
         _check_folder("checkpoint.folder", cfg.checkpoint.folder, folder)
     tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.data.chat_template)
-    knobs = [f for f in dataclasses.fields(cfg.model) if f.name not in _NOT_MODEL_ARGS]
-    model_overrides = {f.name: getattr(cfg.model, f.name) for f in knobs if hasattr(flavor_args, f.name)}
-    # A knob of another model family would otherwise be accepted and silently do nothing.
-    foreign = [f for f in knobs if f.name not in model_overrides and getattr(cfg.model, f.name) != f.default]
-    if foreign:
-        own = ", ".join(f.name for f in knobs if f.name in model_overrides) or "none"
-        raise ValueError(
-            f"model.{foreign[0].name} = {getattr(cfg.model, foreign[0].name)!r}: model {cfg.model.name} has no "
-            f"such setting (its [model] settings: {own}); remove it or use the default {foreign[0].default!r}"
-        )
+    model_overrides = model_args_table(cfg.model.args, flavor_args, cfg.model.name)
     if cfg.model.hf_path:  # the checkpoint fixes the embedding size
         vocab_size = hf_vocab_size(cfg.model.hf_path, tokenizer.vocab_size)
     else:  # a multiple of 64 rows (matmul-friendly; the extra ids are never seen)
@@ -234,7 +222,7 @@ def validate_combinations(cfg: Config, spec: ModelSpec, model_args: Any) -> None
         )
     if getattr(model_args, "attention_backend", "native") == "te" and cp > 1:
         raise ValueError(
-            f"model.attention_backend = te with context_parallel_degree = {cp}: Transformer Engine "
+            f"model.args.attention_backend = te with context_parallel_degree = {cp}: Transformer Engine "
             "attention runs without context parallelism only; use attention_backend = native or cp 1"
         )
     if cfg.training.compile and spec.compile is None:
@@ -283,6 +271,26 @@ def model_label(cfg: Config) -> str:
     """How messages name the model: family and flavor, or the checkpoint whose config.json is read."""
     m = cfg.model
     return f"{m.name} {m.flavor}" if m.flavor else f"{m.name} (config.json of {m.hf_path})"
+
+
+def model_args_table(table: dict[str, Any], flavor_args: Any, model: str) -> dict[str, Any]:
+    """[model.args] as typed overrides of the flavor's args dataclass; ValueError for a name the model
+    does not have (with its list) or a value of the wrong type."""
+    hints = typing.get_type_hints(type(flavor_args))
+    own = [f.name for f in dataclasses.fields(flavor_args) if f.name != "vocab_size"]
+    out = {}
+    for name, value in table.items():
+        if name == "vocab_size":
+            raise ValueError(
+                "model.args.vocab_size: the vocabulary is the tokenizer's (rounded up to a multiple of 64) or "
+                "the Hugging Face checkpoint's; remove it"
+            )
+        if name not in own:
+            raise ValueError(
+                f"model.args.{name}: model {model} has no such setting; its settings: {', '.join(own)}"
+            )
+        out[name] = coerce(f"model.args.{name}", value, hints[name], from_cli=isinstance(value, str))
+    return out
 
 
 def hybrid_threshold(cfg: Config) -> int:

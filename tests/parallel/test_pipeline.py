@@ -23,16 +23,8 @@ from titan_thd.inputs import check_inputs
 from titan_thd.models.llama import spec as LLAMA
 from titan_thd.models.llama.args import LlamaArgs
 from titan_thd.models.llama.model import build_llama
-from titan_thd.pipeline import (
-    PipelineSchedule,
-    StageInput,
-    chunk_views,
-    max_in_flight,
-    rank_actions,
-    split_model,
-    stage_layers,
-    timetable,
-)
+from titan_thd.pipeline.schedule import PipelineSchedule, StageInput, max_in_flight, rank_actions, timetable
+from titan_thd.pipeline.split import chunk_views, split_model, stage_layers
 
 
 # ============================================================================ split and errors

@@ -34,11 +34,13 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from titan_thd.config import Metrics as MetricsConfig
+if TYPE_CHECKING:  # annotations only: config imports the modules that own its choice lists
+    from titan_thd.config import Metrics as MetricsConfig
+
 
 logger = logging.getLogger("titan_thd")
 

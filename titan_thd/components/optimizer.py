@@ -27,9 +27,9 @@ from torch.distributed.tensor import DTensor
 
 from titan_thd.components import hardware
 from titan_thd.components.muon import Muon
-from titan_thd.config import Optimizer as OptimizerConfig
 
 if TYPE_CHECKING:  # annotations only: models import the loss from components
+    from titan_thd.config import Optimizer as OptimizerConfig
     from titan_thd.models.spec import ModelSpec
 
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)

@@ -26,7 +26,7 @@ Conventions that every producer and consumer relies on:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -139,7 +139,3 @@ class PackedBatch:
             f"PackedBatch(T={self.total_tokens}, docs={self.num_docs}, real={self.num_real_tokens}, "
             f"max_seqlen={self.max_seqlen})"
         )
-
-
-def field_names() -> list[str]:
-    return [f.name for f in fields(PackedBatch)]

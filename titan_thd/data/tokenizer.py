@@ -31,6 +31,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Literal, get_args
 
 from titan_thd.jsonfile import read_json_object
 
@@ -226,7 +227,10 @@ def _configured_specials(config_path: Path) -> dict[str, str]:
     return out
 
 
-CHAT_TEMPLATES = ("auto", "simple", "deepseek")
+ChatTemplate = Literal["auto", "simple", "deepseek"]
+"""Values of data.chat_template: `simple` (the project's markers), `deepseek` (DeepSeek-V4's own format)
+or `auto` (deepseek for a tokenizer that has DeepSeek's chat tokens)."""
+CHAT_TEMPLATES: tuple[str, ...] = get_args(ChatTemplate)
 
 
 def build_tokenizer(spec: str, chat_template: str = "auto") -> Tokenizer:

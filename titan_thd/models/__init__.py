@@ -1,12 +1,21 @@
-"""Model families. `get_model_spec(name)` imports only the family that is asked for."""
+"""Model families. `get_model_spec(name)` imports only the family that is asked for.
+
+This package's `__init__` imports nothing heavy (no torch): the config reads the family names from
+it. A family is a package `titan_thd/models/<name>/` exposing `spec = ModelSpec(...)`
+(docs/adding_a_model.md).
+"""
 
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
-from titan_thd.models.spec import ModelOutput, ModelSpec
+if TYPE_CHECKING:
+    from titan_thd.models.spec import ModelSpec
 
-MODEL_NAMES = ("llama", "dsv4")
+ModelName = Literal["llama", "dsv4"]
+"""Values of model.name: one per package of this folder."""
+MODEL_NAMES: tuple[str, ...] = get_args(ModelName)
 
 
 def get_model_spec(name: str) -> ModelSpec:
@@ -15,7 +24,7 @@ def get_model_spec(name: str) -> ModelSpec:
     return importlib.import_module(f"titan_thd.models.{name}").spec
 
 
-def get_model_args(name: str, flavor: str):
+def get_model_args(name: str, flavor: str) -> Any:
     """The args of `flavor` ("" = the family's default flavor)."""
     spec = get_model_spec(name)
     flavor = flavor or spec.default_flavor or next(iter(spec.flavors), "")
@@ -26,4 +35,4 @@ def get_model_args(name: str, flavor: str):
     return spec.flavors[flavor]
 
 
-__all__ = ["MODEL_NAMES", "ModelOutput", "ModelSpec", "get_model_args", "get_model_spec"]
+__all__ = ["MODEL_NAMES", "ModelName", "get_model_args", "get_model_spec"]

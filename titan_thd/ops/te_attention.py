@@ -1,4 +1,4 @@
-"""Optional Transformer Engine backend of THD causal attention (`model.attention_backend = "te"`).
+"""Optional Transformer Engine backend of THD causal attention (`model.args.attention_backend = "te"`).
 
 Imported only when asked for. Transformer Engine raises RuntimeError (not ImportError) when it is
 imported without CUDA, so every import failure becomes one clear ValueError.
@@ -20,12 +20,14 @@ from titan_thd.data.batch_meta import BatchMeta
 
 def _import_te():
     if not torch.cuda.is_available():
-        raise ValueError('model.attention_backend = "te" needs CUDA; this machine has none (use "native")')
+        raise ValueError(
+            'model.args.attention_backend = "te" needs CUDA; this machine has none (use "native")'
+        )
     try:
         import transformer_engine.pytorch as te
     except Exception as e:  # RuntimeError without a usable CUDA setup, ImportError when not installed
         raise ValueError(
-            f'model.attention_backend = "te": Transformer Engine cannot be imported '
+            f'model.args.attention_backend = "te": Transformer Engine cannot be imported '
             f'({type(e).__name__}: {e}); install the `gpu` extra or use "native"'
         ) from e
     return te
@@ -48,7 +50,10 @@ class TEAttention(nn.Module):
         self, q_THD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor, meta: BatchMeta
     ) -> torch.Tensor:
         if meta.cp.size > 1:
-            raise NotImplementedError("te attention: context parallel attention is added by the CP issue")
+            # Refused at start-up (inputs.validate_combinations); a hand-built meta gets the same rule here.
+            raise ValueError(
+                "te attention runs without context parallelism only: use attention_backend native"
+            )
         cu_N1, real_T = meta.cached("te_boundaries", lambda: _boundaries(meta, q_THD.device))
         o = self.attn(
             q_THD,

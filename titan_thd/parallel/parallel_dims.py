@@ -137,10 +137,6 @@ class ParallelDims:
         return self.dp_shard
 
     @property
-    def dp_enabled(self) -> bool:
-        return self.dp > 1
-
-    @property
     def cp_enabled(self) -> bool:
         return self.cp > 1
 

@@ -19,43 +19,11 @@ its `ModelSpec.pipeline` (models/spec.py); nothing in this package knows a model
 activations.py measures what a stage keeps per in-flight microbatch (the dry run's memory lines).
 
 This package sits beside `parallel/` rather than in it because it imports the loss and the batch
-metadata (components, data), which `parallel/` must not.
+metadata (components, data), which `parallel/` must not. Its `__init__` imports nothing (the config
+reads `Schedule` from it): import the modules themselves.
 """
 
-from titan_thd.pipeline import activations
-from titan_thd.pipeline.schedule import (
-    SCHEDULES,
-    Action,
-    PipelineSchedule,
-    StageInput,
-    max_in_flight,
-    rank_actions,
-    tied_groups,
-    timetable,
-)
-from titan_thd.pipeline.split import (
-    chunk_views,
-    split_model,
-    stage_layers,
-    stage_summary,
-    validate_pipeline,
-    virtual_stages,
-)
+from typing import Literal
 
-__all__ = [
-    "activations",
-    "SCHEDULES",
-    "Action",
-    "PipelineSchedule",
-    "StageInput",
-    "chunk_views",
-    "max_in_flight",
-    "rank_actions",
-    "split_model",
-    "stage_layers",
-    "stage_summary",
-    "validate_pipeline",
-    "virtual_stages",
-    "tied_groups",
-    "timetable",
-]
+Schedule = Literal["1F1B", "GPipe", "Interleaved1F1B"]
+"""Values of parallelism.pipeline_parallel_schedule (schedule.py plays each on one timetable)."""

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, get_args
 
 import torch
 import torch.distributed as dist
@@ -35,8 +35,9 @@ from torch.distributed.tensor import DTensor
 
 from titan_thd.components.loss import cross_entropy_sum
 from titan_thd.data.batch_meta import BatchMeta
+from titan_thd.pipeline import Schedule
 
-SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B")
+SCHEDULES: tuple[str, ...] = get_args(Schedule)
 
 
 # ============================================================================ timetable

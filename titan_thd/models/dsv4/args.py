@@ -9,11 +9,13 @@ window and is followed by a MoE; the first `n_hash_layers` route by a frozen tok
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Literal, get_args
 
 from titan_thd.parallel.context_parallel import CPMode
 
 LAYER_TYPES = ("sliding", "csa", "hca")
-INDEXER_LOSS_MODES = ("dense", "sparse")
+IndexerLossMode = Literal["dense", "sparse"]
+INDEXER_LOSS_MODES: tuple[str, ...] = get_args(IndexerLossMode)
 CP_MODE: CPMode = "contiguous"
 """Windows and compressors need a contiguous left context from one neighbour (docs/dsv4.md §9.1)."""
 
@@ -64,10 +66,13 @@ class DSv4Args:
     mtp_layers: int = 1
     """Multi-token-prediction depth (0 or 1); the MTP block is a sliding-window layer."""
     mtp_loss_weight: float = 0.1
+    """Weight of the multi-token-prediction loss."""
     indexer_loss_coeff: float = 0.01
-    indexer_loss_mode: str = "sparse"
+    """Coefficient of the lightning-indexer KL loss (0 disables it)."""
+    indexer_loss_mode: IndexerLossMode = "sparse"
     """`dense` (KL over every visible compressed entry) or `sparse` (over the selected top-k)."""
     router_bias_update_rate: float = 1e-3
+    """Step size of the aux-loss-free expert bias update (0 freezes the bias)."""
     init_std: float = 0.02
     attn_chunk: int = 2048
     """Queries per chunk of the attention core (bounds temporaries, not results)."""

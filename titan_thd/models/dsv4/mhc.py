@@ -114,7 +114,7 @@ class _Mix(torch.autograd.Function):
     logits and r; the backward is two matrix products and one pass over x:
         dfn = (g r)^T x,   dx = (g r) fn - x r^3 sum(g raw) / C
     (autograd through the formula keeps x^2 too and runs the square's backward as a pow:
-    2x slower per hyper-connection at tiny, issue 13 note)."""
+    2x slower per hyper-connection at tiny; docs/dsv4.md §16)."""
 
     @staticmethod
     def forward(ctx, x_TC, fn_MC, eps):

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal, get_args
 
-ATTENTION_BACKENDS = ("native", "te")
+AttentionBackend = Literal["native", "te"]
+ATTENTION_BACKENDS: tuple[str, ...] = get_args(AttentionBackend)
 
 
 @dataclass
@@ -23,7 +25,7 @@ class LlamaArgs:
     """Set from the tokenizer by the trainer."""
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    attention_backend: str = "native"
+    attention_backend: AttentionBackend = "native"
     """`native` (titan_thd.ops.varlen_attention) or `te` (Transformer Engine, CUDA only)."""
 
     def __post_init__(self) -> None:
@@ -35,7 +37,7 @@ class LlamaArgs:
             raise ValueError(f"llama: n_kv_heads {self.n_kv_heads} must divide n_heads {self.n_heads}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
-                f"model.attention_backend: got {self.attention_backend!r}, "
+                f"model.args.attention_backend: got {self.attention_backend!r}, "
                 f"expected one of {', '.join(ATTENTION_BACKENDS)}"
             )
 
