@@ -169,7 +169,7 @@ class Trainer:
             tied_names = pipeline.tied_first_last(cfg.model.name, model)
             model = pipeline.split_model(cfg.model.name, model, pp_layers, pp_rank, pp)
             chunks = pipeline.chunk_views(cfg.model.name, model, pp_layers, pp_rank, pp)
-        self.param_count = count_params(model)  # before expert parallelism drops the others' experts
+        self.param_count = count_params(model)  # before sharding (global shapes either way)
         if self.spec.parallelize is not None:  # each chunk is sharded as a model of its own
             chunks = [self.spec.parallelize(chunk, self.parallel_dims, p) for chunk in chunks]
             model = chunks[0] if len(chunks) == 1 else model
@@ -306,16 +306,13 @@ class Trainer:
 
     def clip_gradients(self) -> torch.Tensor:
         """Clip to training.max_norm over the whole model; returns the global norm before clipping."""
-        ep_mesh = self.parallel_dims.get_optional_mesh("ep")  # experts: each counted on its own rank
-        ep_group = None if ep_mesh is None else ep_mesh.get_group()
         if self.pipeline is None:
-            return clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm, ep_group=ep_group)
+            return clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm)
         return clip_grad_norm_(  # over every stage; the tied copies count once
             self.pipeline.norm_params(),
             self.cfg.training.max_norm,
             pp_group=self.pipeline.group,
             also_scale=[q for q in self.pipeline.tied if not self.pipeline.is_first],
-            ep_group=ep_group,
         )
 
     def log(
