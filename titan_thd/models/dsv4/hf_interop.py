@@ -93,27 +93,18 @@ def _rename(key: str, rules: list[tuple[str, str]]) -> str:
     return key
 
 
-def to_ours(hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Any HF spelling (transformers modules, reference, or transformers' saved mix) -> our names,
-    the per-expert (or fused) routed experts stacked to [E, out, in]."""
+def stack_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-expert routed-expert tensors (`<layer>.ffn.experts.<e>.w1.weight` [F, d]) -> our stacks
+    (`<layer>.ffn.experts.w1` [E, F, d]); other keys pass unchanged. ValueError if an id is missing."""
     out: dict[str, torch.Tensor] = {}
     per_expert: dict[str, dict[int, torch.Tensor]] = {}
-    for key, value in hf_state.items():
-        key = _rename(key, _TRANSFORMERS_TO_REFERENCE)
-        fused = _FUSED_EXPERTS.match(key)
-        if fused:
-            prefix, kind = fused.groups()
-            if kind == "down_proj":
-                out[f"{prefix}.w2"] = value
-            else:
-                out[f"{prefix}.w1"], out[f"{prefix}.w3"] = value.chunk(2, dim=1)
-            continue
+    for key, value in state.items():
         single = _PER_EXPERT.match(key)
         if single:
             prefix, e, name = single.groups()
             per_expert.setdefault(f"{prefix}.{name}", {})[int(e)] = value
-            continue
-        out[_rename(key, _REFERENCE_TO_OURS)] = value
+        else:
+            out[key] = value
     for key, by_id in per_expert.items():
         ids = sorted(by_id)
         if ids != list(range(len(ids))):
@@ -125,18 +116,41 @@ def to_ours(hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def to_reference(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Our names -> the reference (DeepSeek release) names: one tensor per routed expert (a copy
-    each: safetensors refuses tensors that share storage)."""
+def split_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our stacks -> one tensor per routed expert (the inverse of `stack_experts`; a copy each:
+    safetensors refuses tensors that share storage)."""
     out: dict[str, torch.Tensor] = {}
-    for k, v in state.items():
-        stacked = _STACKED.match(k)
+    for key, value in state.items():
+        stacked = _STACKED.match(key)
         if stacked:
             prefix, name = stacked.groups()
-            out |= {f"{prefix}.{e}.{name}.weight": v[e].clone() for e in range(v.shape[0])}
+            out |= {f"{prefix}.{e}.{name}.weight": value[e].clone() for e in range(value.shape[0])}
         else:
-            out[_rename(k, _OURS_TO_REFERENCE)] = v
+            out[key] = value
     return out
+
+
+def to_ours(hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Any HF spelling (transformers modules, reference, or transformers' saved mix) -> our names,
+    the per-expert (or fused) routed experts stacked to [E, out, in]."""
+    out: dict[str, torch.Tensor] = {}
+    for key, value in hf_state.items():
+        key = _rename(key, _TRANSFORMERS_TO_REFERENCE)
+        fused = _FUSED_EXPERTS.match(key)
+        if fused:
+            prefix, kind = fused.groups()
+            if kind == "down_proj":
+                out[f"{prefix}.w2"] = value
+            else:
+                out[f"{prefix}.w1"], out[f"{prefix}.w3"] = value.chunk(2, dim=1)
+            continue
+        out[_rename(key, _REFERENCE_TO_OURS)] = value
+    return stack_experts(out)
+
+
+def to_reference(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our names -> the reference (DeepSeek release) names: one tensor per routed expert."""
+    return {_rename(k, _OURS_TO_REFERENCE): v for k, v in split_experts(state).items()}
 
 
 # ---------------------------------------------------------------------------------------- config
