@@ -82,7 +82,8 @@ def looped_experts(
     w3_EFD: torch.Tensor,
     limit: float,
 ) -> torch.Tensor:
-    """Reference of `grouped_experts` (the test oracle): one F.linear per expert and projection."""
+    """Reference of `grouped_experts` (the test oracle): one F.linear per expert and projection
+    (`w[e]` of a stack, or of a list of per-expert 2-D weights)."""
     outs, begin = [x_ND.new_zeros(0, x_ND.shape[1])], 0
     for e, n in enumerate(counts):
         if n:
