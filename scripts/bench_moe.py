@@ -98,8 +98,11 @@ def time_experts(
     times: dict[str, list[float]] = {name: [] for name in forms}
     for fn in forms.values():
         fn().backward(grad)  # warm-up
+    leaves = [x, *ws, *(w for ws_e in per_expert for w in ws_e)]
     for _ in range(reps):  # alternating: a load change hits both forms alike
         for name, fn in forms.items():
+            for t in leaves:  # as after a step's zero_grad: the backward writes, never accumulates
+                t.grad = None
             t0 = time.perf_counter()
             fn().backward(grad)
             times[name].append(time.perf_counter() - t0)
