@@ -7,6 +7,10 @@
     .venv/bin/python scripts/convert_hf.py to-hf DCP_DIR OUT_DIR (--flavor tiny | --hf-config config.json)
         [--dtype bfloat16]
 
+    # a trainer checkpoint written before the routed experts were stacked (one tensor per expert)
+    # -> the same checkpoint with [E, out, in] stacks (model and optimizer state; resumable)
+    .venv/bin/python scripts/convert_hf.py stack-experts outputs/x/checkpoint/step-60 NEW/step-60
+
 The DCP state dict has the trainer's layout (`{"model": {fqn: tensor}}`, so keys `model.<fqn>`),
 written by one process; DCP reshards it when a multi-rank job loads it. The HF side uses
 `titan_thd.models.dsv4.hf_interop` (the one place that maps names). `to-dcp` reads DeepSeek's published
@@ -14,6 +18,7 @@ FP8 / packed-FP4 checkpoints too: their weights are dequantised to float32 (docs
 comes from the flavor (its vocabulary size is taken from the checkpoint's embedding, since the
 trainer rounds the tokenizer's up to a multiple of 64) or from an HF config.json; `to-dcp` copies
 config.json next to the shards so the folder converts back with `--hf-config OUT_DIR/config.json`.
+`to-hf` also reads the per-expert layout of checkpoints written before the experts were stacked.
 """
 
 from __future__ import annotations
@@ -21,16 +26,19 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import shutil
 import sys
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 
+from titan_thd.components.checkpoint import META_FILE, PER_EXPERT_PARAM, write_meta
 from titan_thd.models.dsv4 import build_dsv4, export_hf, flavors, load_hf
-from titan_thd.models.dsv4.hf_interop import args_from_hf_config
+from titan_thd.models.dsv4.hf_interop import args_from_hf_config, split_experts, stack_experts
 
 
 def to_dcp(hf_dir: Path, out: Path, flavor: str | None) -> None:
@@ -61,7 +69,9 @@ def to_hf(dcp_dir: Path, out: Path, flavor: str | None, hf_config: Path | None, 
         vocab = metadata["model.embed.weight"].size[0]
         args = dataclasses.replace(flavors[flavor], vocab_size=vocab)
     model = build_dsv4(args)
-    state = {"model": model.state_dict()}
+    # A checkpoint from before the experts were stacked holds one entry per expert: read those.
+    legacy = any(PER_EXPERT_PARAM.search(k) for k in metadata)
+    state = {"model": split_experts(model.state_dict()) if legacy else model.state_dict()}
     missing = [f"model.{k}" for k in state["model"] if f"model.{k}" not in metadata]
     if missing:
         raise ValueError(f"{dcp_dir} lacks {len(missing)} tensors of this architecture, e.g. {missing[:5]}")
@@ -75,9 +85,68 @@ def to_hf(dcp_dir: Path, out: Path, flavor: str | None, hf_config: Path | None, 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.load(state, storage_reader=dcp.FileSystemReader(dcp_dir))
-    model.load_state_dict(state["model"])
+    model.load_state_dict(stack_experts(state["model"]) if legacy else state["model"])
     export_hf(model, args, out, dtype=getattr(torch, dtype) if dtype else None)
-    print(f"wrote {out}: config.json + model.safetensors")
+    print(f"wrote {out}: config.json + model.safetensors" + (" (from per-expert entries)" if legacy else ""))
+
+
+_EXPERT_OPTIM = re.compile(r"^(state|param_groups)\.(.*\.ffn\.experts)\.(\d+)\.(w[123])\.weight\.(\w+)$")
+
+
+def _stack_optimizer(flat: dict[str, Any]) -> dict[str, Any]:
+    """Flattened optimizer state (`state.<fqn>.<key>`, `param_groups.<fqn>.<key>`) of per-expert
+    parameters -> that of the stacks: tensors per expert stacked, the rest (step counts, group
+    settings) the same for every expert of a layer and kept once."""
+    out: dict[str, Any] = {}
+    groups: dict[str, dict[int, Any]] = {}
+    for key, value in flat.items():
+        m = _EXPERT_OPTIM.match(key)
+        if m is None:
+            out[key] = value
+            continue
+        kind, prefix, e, name, field = m.groups()
+        groups.setdefault(f"{kind}.{prefix}.{name}.{field}", {})[int(e)] = value
+    for key, by_id in groups.items():
+        values = [by_id[e] for e in sorted(by_id)]
+        assert sorted(by_id) == list(range(len(values))), (key, sorted(by_id))
+        if isinstance(values[0], torch.Tensor) and values[0].dim() > 0:
+            out[key] = torch.stack(values)
+            continue
+        same = all(
+            torch.equal(v, values[0]) if isinstance(v, torch.Tensor) else v == values[0] for v in values
+        )
+        if not same:
+            raise ValueError(f"{key}: the experts differ ({values[:4]} ...); expected one value for a layer")
+        out[key] = values[0]
+    return out
+
+
+def stack_checkpoint(src: Path, out: Path) -> None:
+    """A trainer checkpoint folder (step-N) with one tensor per routed expert -> the same state with
+    [E, out, in] stacks, written by one process with its meta.json (DCP reshards it on load)."""
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    if not (src / META_FILE).is_file() or not (src / ".metadata").is_file():
+        raise ValueError(f"{src}: not a trainer checkpoint folder (expected {META_FILE} and .metadata)")
+    if out.exists() and any(out.iterdir()):
+        raise ValueError(f"{out} exists and is not empty")
+    meta = json.loads((src / META_FILE).read_text())
+    params = meta["fingerprint"]["params"]
+    if not any(PER_EXPERT_PARAM.search(n) for n in params):
+        raise ValueError(f"{src}: no per-expert parameters; it is already in the stacked layout")
+    with warnings.catch_warnings():  # one process, no process group: intended
+        warnings.simplefilter("ignore")
+        state: dict[str, Any] = _load_state_dict_from_keys(storage_reader=dcp.FileSystemReader(src))
+    state["model"] = stack_experts(state["model"])
+    state["optimizer"] = _stack_optimizer(state["optimizer"])
+    out.mkdir(parents=True, exist_ok=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(out), no_dist=True)
+    shapes = stack_experts({k: torch.empty(v, device="meta") for k, v in params.items()})  # names, shapes
+    fingerprint = meta["fingerprint"] | {"params": {k: list(v.shape) for k, v in shapes.items()}}
+    write_meta(out, meta["step"], meta["world_size"], fingerprint)
+    print(f"wrote {out}: step {meta['step']}, {len(state['model'])} model tensors (experts stacked)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,10 +162,15 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--flavor", default=None)
     b.add_argument("--hf-config", type=Path, default=None)
     b.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
+    c = sub.add_parser("stack-experts", help="trainer checkpoint, per-expert layout -> stacked experts")
+    c.add_argument("src", type=Path)
+    c.add_argument("out", type=Path)
     opts = p.parse_args(argv)
     try:
         if opts.cmd == "to-dcp":
             to_dcp(opts.src, opts.out, opts.flavor)
+        elif opts.cmd == "stack-experts":
+            stack_checkpoint(opts.src, opts.out)
         else:
             to_hf(opts.src, opts.out, opts.flavor, opts.hf_config, opts.dtype)
     except ValueError as e:

@@ -231,13 +231,11 @@ class Trainer:
     def clip_gradients(self) -> torch.Tensor:
         """Clip to training.max_norm over the whole model (every pipeline stage, the tied copies
         counted once); returns the global norm before clipping."""
-        ep_mesh = self.parallel_dims.get_optional_mesh("ep")  # experts: each counted on its own rank
         return clip_grad_norm_(
             self.runner.norm_params(),
             self.cfg.training.max_norm,
             pp_group=self.runner.pp_group,
             also_scale=self.runner.also_scale,
-            ep_group=None if ep_mesh is None else ep_mesh.get_group(),
         )
 
     def log(

@@ -231,7 +231,30 @@ def test_muon_refuses_bad_input():
         Muon([nn.Parameter(torch.zeros(3, 3))], lr=0.1, weight_decay=0.0, ns_dtype="float16")
 
 
+def test_muon_on_a_stack_equals_muon_per_matrix():
+    """A [E, A, B] stack (routed experts) steps as E separate matrices would: the batched
+    Newton-Schulz scales each by its own norm, the learning rate by its own max(A, B) (float64,
+    the same products batched: rel 1e-12)."""
+    g = torch.Generator().manual_seed(4)
+    start = torch.randn(3, 6, 9, generator=g, dtype=torch.float64)
+    grads = [torch.randn(3, 6, 9, generator=g, dtype=torch.float64) * (1 + 10 * s) for s in range(3)]
+    stack = nn.Parameter(start.clone())
+    alone = [nn.Parameter(start[e].clone()) for e in range(3)]
+    opt_stack = Muon([stack], lr=0.02, weight_decay=0.1, ns_dtype="float64")
+    opt_alone = Muon(alone, lr=0.02, weight_decay=0.1, ns_dtype="float64")
+    for grad in grads:
+        stack.grad = grad.clone()
+        for e, w in enumerate(alone):
+            w.grad = grad[e].clone()
+        opt_stack.step()
+        opt_alone.step()
+    torch.testing.assert_close(stack.detach(), torch.stack([w.detach() for w in alone]), rtol=1e-12, atol=0)
+    assert not torch.equal(stack.detach(), start)
+
+
 SHAPES = [(7, 5), (1, 4), (6, 6), (3, 8)]  # uneven rows, a rank with an empty shard
+STACK = (4, 7, 5)  # 4 experts of 7 x 5: rows and columns split unevenly over 2 ranks
+STACK_PLACEMENTS = [0, 1, 2]  # Shard(dim): experts (ep, FSDP dim 0), rows (FSDP dim 1), columns (TP)
 
 
 def _sharded_muon(rank, world_size, grads):
@@ -250,7 +273,22 @@ def _sharded_muon(rank, world_size, grads):
         for w, g in zip(ws, step_grads):
             w.grad = distribute_tensor(g, mesh, [Shard(0)])
         opt.step()
-    return [w.full_tensor().tolist() for w in ws], calls
+    # A stack of experts in every placement: its own optimizer (the owner choice above stays).
+    stacks = [nn.Parameter(distribute_tensor(_stack_start(), mesh, [Shard(d)])) for d in STACK_PLACEMENTS]
+    opt = Muon(stacks, lr=0.02, weight_decay=0.1, ns_dtype="float32")
+    for g in _stack_grads():
+        for w, d in zip(stacks, STACK_PLACEMENTS):
+            w.grad = distribute_tensor(g, mesh, [Shard(d)])
+        opt.step()
+    return [w.full_tensor().tolist() for w in ws], calls[:6], [w.full_tensor().tolist() for w in stacks]
+
+
+def _stack_start():
+    return torch.randn(STACK, generator=torch.Generator().manual_seed(2))
+
+
+def _stack_grads():
+    return [torch.randn(STACK, generator=torch.Generator().manual_seed(20 + s)) for s in range(3)]
 
 
 def _muon_start():
@@ -276,10 +314,21 @@ def test_muon_on_fsdp_shards_equals_one_process():
             w.grad = g.clone()
         opt.step()
     results = spawn(_sharded_muon, 2, grads)
-    for full, _ in results:
+    for full, _, _ in results:
         for got, w in zip(full, ws):
             torch.testing.assert_close(torch.tensor(got), w.detach(), rtol=0, atol=1e-6)
     # Greedy by size: rank 0 owns (7, 5) and (3, 8), rank 1 owns (1, 4) and (6, 6); full matrices only.
-    owned = [sorted(set(calls)) for _, calls in results]
+    owned = [sorted(set(calls)) for _, calls, _ in results]
     assert owned == [[(3, 8), (7, 5)], [(1, 4), (6, 6)]], owned
-    assert [len(calls) for _, calls in results] == [6, 6]  # 2 matrices x 3 steps each
+    assert [len(calls) for _, calls, _ in results] == [6, 6]  # 2 matrices x 3 steps each
+    # Stacks: split over the experts, the rows or the columns, each equals one process's stack.
+    stack = nn.Parameter(_stack_start())
+    opt = Muon([stack], lr=0.02, weight_decay=0.1, ns_dtype="float32")
+    for g in _stack_grads():
+        stack.grad = g
+        opt.step()
+    for _, _, stacks in results:
+        for got, d in zip(stacks, STACK_PLACEMENTS):
+            torch.testing.assert_close(
+                torch.tensor(got), stack.detach(), rtol=0, atol=1e-6, msg=f"Shard({d})"
+            )

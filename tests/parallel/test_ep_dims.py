@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from titan_thd.config import Parallelism, Training, load_config
 from titan_thd.inputs import check_inputs
@@ -49,25 +49,28 @@ def test_ep_and_efsdp_meshes(fake_world, pp, dp, cp, ep, rank):
 
 
 def test_dsv4_experts_sharded_over_efsdp(fake_world):
-    """micro at dp 16 x cp 4 with ep 4 (fsdp rank 0): the rank keeps expert 0 of 4 in every MoE,
-    sharded over efsdp 16; dense weights over all 64. The memory estimate (from shapes and
-    meshes) equals the shards actually held, and the largest unit is one block without its
-    experts (they are gathered apart)."""
+    """micro at dp 16 x cp 4 with ep 4 (fsdp rank 0): the stacked experts of every MoE are split
+    over ep 4 on the expert dimension (this rank: expert 0 of 4) and over efsdp 16 on their output
+    dimension; dense weights over all 64. The memory estimate (from shapes and meshes) equals the
+    shards actually held, and the largest unit is one block without its experts (they are
+    gathered apart)."""
     fake_world(64, 0)
     dims = ParallelDims(pp=1, dp_shard=-1, cp=4, tp=1, world_size=64, ep=4)
     dims.build_meshes("cpu")
+    args = flavors["micro"]
     model = parallelize_dsv4(
-        build_on_meta(lambda: build_dsv4(flavors["micro"])),
-        dims,
-        parallelism=Parallelism(),
-        training=Training(),
+        build_on_meta(lambda: build_dsv4(args)), dims, parallelism=Parallelism(), training=Training()
     )
-    for layer in [*model.layers.values(), *model.mtp]:
-        assert list(layer.ffn.experts) == ["0"]
     local = 0
     for name, p in model.named_parameters():
         assert isinstance(p, DTensor), name
-        assert p.device_mesh.size() == (16 if ".experts." in name else 64), name
+        if ".ffn.experts." in name:
+            assert p.device_mesh.mesh_dim_names == ("efsdp", "ep"), name
+            assert p.placements == (Shard(1), Shard(0)), (name, p.placements)
+            out = args.dim if name.endswith("w2") else args.moe_inter_dim
+            assert tuple(p.to_local().shape) == (1, out // 16, p.shape[2]), name
+        else:
+            assert p.device_mesh.size() == 64, name
         local += p.to_local().numel()
     assert estimate_memory_per_rank(model, dims, "adamw", torch.float32).params == local
     block = model.layers["1"]

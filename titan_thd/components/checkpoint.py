@@ -79,6 +79,8 @@ TMP_DIR = re.compile(r"^step-\d+\.tmp-")
 META_FILE = "meta.json"
 SHARD_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")  # DCP's FileSystemWriter: __<rank>_<n>.distcp
 RESERVED_KEYS = ("model", "optimizer", "lr_scheduler", "rng")
+PER_EXPERT_PARAM = re.compile(r"\.experts\.\d+\.w[123]\.weight$")
+"""A routed-expert parameter of the layout before stacking (a dsv4 checkpoint to convert)."""
 
 
 class CheckpointError(RuntimeError):
@@ -159,6 +161,20 @@ def _crc32(path: Path) -> int:
         while chunk := f.read(1 << 23):
             crc = zlib.crc32(chunk, crc)
     return crc
+
+
+def write_meta(folder: Path, step: int, world_size: int, fingerprint: dict[str, Any]) -> None:
+    """meta.json of a checkpoint folder written by one process outside the trainer (a conversion):
+    every other file's size and CRC-32, as `CheckpointManager.save` records them."""
+    files = {f.name: [f.stat().st_size, _crc32(f)] for f in sorted(folder.iterdir()) if f.name != META_FILE}
+    meta = {
+        "step": step,
+        "world_size": world_size,
+        "fingerprint": fingerprint,
+        "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "files": files,
+    }
+    (folder / META_FILE).write_text(json.dumps(meta))
 
 
 def _all_gather(obj: Any) -> list[Any]:
@@ -402,6 +418,13 @@ class CheckpointManager:
                 f"checkpoint {path} is damaged: {META_FILE} lacks its fields{self._earlier(path)}"
             )
         diffs = fingerprint_differences(meta["fingerprint"], self.fingerprint)
+        if diffs and any(PER_EXPERT_PARAM.search(n) for n in meta["fingerprint"].get("params", {})):
+            raise ValueError(
+                f"checkpoint {path} holds one tensor per routed expert (`...ffn.experts.<e>.w1.weight`): it "
+                "was written before the experts were stacked ([E, out, in] per layer). Convert it once with "
+                f"`scripts/convert_hf.py stack-experts {path} NEW_FOLDER/step-{meta['step']}` (model, optimizer "
+                "and the rest of the state) and resume from NEW_FOLDER with --checkpoint.folder"
+            )
         if diffs:
             raise ValueError(f"checkpoint {path} was saved from another model:\n  " + "\n  ".join(diffs))
         return meta

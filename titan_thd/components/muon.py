@@ -20,6 +20,13 @@ shards (docs/design.md §5.1) are orthogonalised as whole matrices too: a colwis
 the tp mesh goes to an owner over tp, and on the 2-D (fsdp, tp) mesh of FSDP2 over TP the tp shards
 are all-gathered first, then the fsdp rows go to an owner over fsdp (the tp ranks of one fsdp
 coordinate repeat the owner's work: 1/fsdp of the matrices per rank).
+
+Stacked experts ([E, out, in], models/dsv4/moe.py) are E matrices: one batched Newton-Schulz per
+stacked tensor, each expert's matrix scaled by its own norm and iterated alone (the batch only
+shares the kernel calls). The experts are independent, so a shard over the expert dimension (ep,
+or FSDP on dim 0) needs no communication: a rank orthogonalises the experts it holds. A shard of
+the matrices themselves (FSDP over efsdp on dim 1, a TP split) goes to an owner rank of that one
+mesh dimension as above, which orthogonalises its slice of experts whole.
 """
 
 from __future__ import annotations
@@ -40,16 +47,24 @@ def newton_schulz(g_AB: torch.Tensor, steps: int, dtype: torch.dtype, eps: float
 
     The quintic iteration X <- aX + (bXX^T + c(XX^T)^2)X pushes every singular value of the
     norm-scaled input towards ~1; it runs on the wide orientation so that XX^T is the small Gram.
+    A stack [E, A, B] is E independent matrices (batched products, a norm per matrix).
     """
     a, b, c = NS_COEFFICIENTS
     x = g_AB.to(dtype)
-    tall = x.shape[0] > x.shape[1]
+    tall = x.shape[-2] > x.shape[-1]
     if tall:
         x = x.mT
-    x = x / x.norm().clamp(min=eps)
-    for _ in range(steps):
-        gram = x @ x.mT
-        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    if x.dim() == 2:
+        x = x / x.norm().clamp(min=eps)
+        for _ in range(steps):
+            gram = x @ x.mT
+            x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    else:
+        assert x.dim() == 3, x.shape
+        x = x / x.norm(dim=(1, 2), keepdim=True).clamp(min=eps)
+        for _ in range(steps):
+            gram = x @ x.mT
+            x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
     return x.mT if tall else x
 
 
@@ -78,9 +93,11 @@ class Muon(torch.optim.Optimizer):
         self.ns_dtype = getattr(torch, ns_dtype)
         super().__init__(params, defaults)
         for group in self.param_groups:
-            bad = [tuple(p.shape) for p in group["params"] if p.ndim != 2]
+            bad = [tuple(p.shape) for p in group["params"] if p.ndim not in (2, 3)]
             if bad:
-                raise ValueError(f"Muon updates 2-D weights only, got parameters of shapes {bad}")
+                raise ValueError(
+                    f"Muon updates 2-D weights only (or [E, out, in] stacks of them), got parameters of shapes {bad}"
+                )
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -99,7 +116,7 @@ class Muon(torch.optim.Optimizer):
             orthogonal = orthogonalise(updates, group["ns_steps"], self.ns_dtype)
             for p, update in zip(params, orthogonal):
                 p.mul_(1 - lr * group["weight_decay"])
-                p.add_(update, alpha=-lr * 0.2 * math.sqrt(max(p.shape)))
+                p.add_(update, alpha=-lr * 0.2 * math.sqrt(max(p.shape[-2:])))
 
 
 def orthogonalise(updates: list[torch.Tensor], steps: int, dtype: torch.dtype) -> list[torch.Tensor]:
@@ -117,6 +134,9 @@ def orthogonalise(updates: list[torch.Tensor], steps: int, dtype: torch.dtype) -
         if not isinstance(u, DTensor):
             out.append(newton_schulz(u, steps, dtype).to(u.dtype))
             continue
+        if u.dim() == 3:
+            out.append(_orthogonalise_stack(u, steps, dtype, owner_of))
+            continue
         layout = _row_layout(u)
         if layout is None:  # any other layout: every rank orthogonalises the gathered matrix
             full = newton_schulz(u.full_tensor(), steps, dtype).to(u.dtype)
@@ -133,6 +153,32 @@ def orthogonalise(updates: list[torch.Tensor], steps: int, dtype: torch.dtype) -
             ortho = tp.split(ortho)
         out.append(DTensor.from_local(ortho, u.device_mesh, u.placements, shape=u.shape, stride=u.stride()))
     return out
+
+
+def _orthogonalise_stack(u: DTensor, steps: int, dtype: torch.dtype, owner_of) -> DTensor:
+    """`newton_schulz` of a sharded [E, A, B] stack. Mesh dimensions that split the experts (dim 0)
+    need nothing; one that splits the matrices (dim 1 or 2) sends its shards to an owner rank; any
+    other layout is gathered whole on every rank."""
+    split = [(i, p.dim) for i, p in enumerate(u.placements) if isinstance(p, Shard) and p.dim != 0]
+    local = u.to_local()
+    if not split:  # whole matrices of this rank's experts
+        ortho = newton_schulz(local, steps, dtype).to(u.dtype)
+    elif len(split) == 1 and not isinstance(u.placements[split[0][0]], _StridedShard):
+        (i, dim), mesh = split[0], u.device_mesh
+        n, group = mesh.size(i), mesh.get_group(i)
+        rows = torch.arange(u.shape[dim])
+        transposed = dim == 2
+        piece = local.mT if transposed else local
+        rows_r = [_chunk(rows, n, r) for r in range(n)]
+        # Ranks of `group` share every other coordinate, so they hold the same experts' rows.
+        ortho = _newton_schulz_at_owner(piece, rows_r, group, owner_of(group, local.numel()), steps, dtype)
+        ortho = ortho.mT if transposed else ortho
+    else:
+        full = newton_schulz(u.full_tensor(), steps, dtype).to(u.dtype)
+        return distribute_tensor(full, u.device_mesh, u.placements, src_data_rank=None)
+    return DTensor.from_local(
+        ortho.contiguous(), u.device_mesh, u.placements, shape=u.shape, stride=u.stride()
+    )
 
 
 def _chunk(idx: torch.Tensor, n: int, r: int) -> torch.Tensor:
@@ -205,22 +251,25 @@ def _newton_schulz_at_owner(
     """Rank r of `group` holds rows `rows_r[r]` of a matrix (`piece`): gather them to `owner`,
     orthogonalise the whole matrix there, scatter each rank's rows of the result back.
 
-    Gather and scatter want equal pieces, so every piece travels padded to the longest."""
+    Gather and scatter want equal pieces, so every piece travels padded to the longest. A stack
+    [E, rows, B] is E matrices cut alike (the rows are dim -2)."""
     n, me = dist.get_world_size(group), dist.get_rank(group)
-    assert piece.shape[0] == len(rows_r[me]), (piece.shape, len(rows_r[me]), me)
+    assert piece.shape[-2] == len(rows_r[me]), (piece.shape, len(rows_r[me]), me)
     big = max(len(r) for r in rows_r)
-    padded = piece.new_zeros(big, piece.shape[1])
-    padded[: piece.shape[0]] = piece
+    *batch, _, cols = piece.shape
+    padded = piece.new_zeros(*batch, big, cols)
+    padded[..., : piece.shape[-2], :] = piece
     root = dist.get_global_rank(group, owner)
     pieces = [torch.empty_like(padded) for _ in range(n)] if me == owner else None
     dist.gather(padded, pieces, dst=root, group=group)
     if me == owner:
-        full = padded.new_empty(sum(len(r) for r in rows_r), piece.shape[1])
+        full = padded.new_empty(*batch, sum(len(r) for r in rows_r), cols)
         for p, rows in zip(pieces, rows_r):
-            full[rows] = p[: len(rows)]
+            full[..., rows, :] = p[..., : len(rows), :]
         ortho = newton_schulz(full, steps, dtype).to(padded.dtype)
         pieces = [
-            torch.cat([ortho[rows], ortho.new_zeros(big - len(rows), ortho.shape[1])]) for rows in rows_r
+            torch.cat([ortho[..., rows, :], ortho.new_zeros(*batch, big - len(rows), cols)], dim=-2)
+            for rows in rows_r
         ]
     dist.scatter(padded, pieces, src=root, group=group)
-    return padded[: piece.shape[0]]
+    return padded[..., : piece.shape[-2], :]

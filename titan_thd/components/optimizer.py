@@ -98,9 +98,12 @@ def build_optimizers(model: nn.Module, cfg: OptimizerConfig, spec: ModelSpec) ->
         return OptimizersContainer(model, [_adamw(list(params.values()), cfg)])
     assert cfg.name == "muon", cfg.name
     matrix_names = set((spec.matrix_params or default_matrix_params)(model))
-    wrong = sorted(n for n in matrix_names if n not in params or params[n].ndim != 2)
+    wrong = sorted(n for n in matrix_names if n not in params or params[n].ndim not in (2, 3))
     if wrong:
-        raise ValueError(f"model {spec.name}: Muon needs 2-D parameters, but matrix_params names {wrong}")
+        raise ValueError(
+            f"model {spec.name}: Muon needs 2-D parameters (or [E, out, in] stacks of them), "
+            f"but matrix_params names {wrong}"
+        )
     matrices = [params[n] for n in params if n in matrix_names]
     first = matrices[0] if matrices else next(iter(params.values()))
     muon = Muon(
@@ -121,16 +124,14 @@ def clip_grad_norm_(
     max_norm: float,
     pp_group: torch.distributed.ProcessGroup | None = None,
     also_scale: Iterable[torch.Tensor] = (),
-    ep_group: torch.distributed.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """Global L2 norm of all gradients (DTensor-aware); scale them to `max_norm` if it is > 0.
 
     Gradients on different device meshes (e.g. dense and expert weights) are reduced mesh by mesh
     and then combined. Pipeline stages add the other stages' squared norms over `pp_group`;
     `also_scale` are gradients that are clipped but not counted (a stage's copy of weights that
-    another stage counts). Gradients on an `efsdp` mesh (the routed experts of an expert-parallel
-    run) cover only this rank's experts: their squared norm is summed over `ep_group`, the ranks
-    holding the other experts, so every expert counts once.
+    another stage counts). The routed experts of an expert-parallel run are DTensors on the 2-D
+    (efsdp, ep) mesh: their norm is reduced over both, so every expert counts once.
     """
     by_mesh: dict[Any, list[torch.Tensor]] = defaultdict(list)
     for p in parameters:
@@ -139,13 +140,7 @@ def clip_grad_norm_(
     norms = []
     for mesh, params in by_mesh.items():
         norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
-        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
-        if mesh is not None and mesh.mesh_dim_names == ("efsdp",):
-            assert ep_group is not None, "expert gradients on efsdp need the ep group"
-            squared = norm.square()
-            torch.distributed.all_reduce(squared, group=ep_group)
-            norm = squared.sqrt()
-        norms.append(norm)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     if not norms and pp_group is None:
         return torch.zeros(())
     # At least float32 (bf16 norms would round the clip factor); float64 stays float64 for parity runs.

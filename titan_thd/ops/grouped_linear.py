@@ -2,18 +2,16 @@
 
 Legend:  N rows (sorted by group)   G groups   I in-features   O out-features   counts[g] rows of group g
 
-`grouped_linear(h_NI, counts, weights)` = rows [sum(counts[:g]), sum(counts[:g+1])) of `h_NI` times
-`weights[g]^T` ([O, I] each, like `F.linear`), as one grouped matrix product.
+`grouped_linear(h_NI, counts, w_GOI)` = rows [sum(counts[:g]), sum(counts[:g+1])) of `h_NI` times
+`w_GOI[g]^T` (as `F.linear`), as one grouped matrix product on the stacked weight itself: the
+grouped kernel reads `w_GOI` through a transposed view, so no weight is copied (the experts are
+stored stacked, `models/dsv4/moe.py`).
 
-Why an autograd function of its own: the grouped kernel takes the weights stacked to [G, I, O], and
-autograd through `torch.stack` would save that stacked copy for the backward: per layer, every local
-expert's weights again, alive from the forward to the backward of every in-flight microbatch (under
-FSDP, exactly the memory that freeing the gathered experts after the forward saves). Here the forward
-saves only the rows and references to the weights; the backward stacks them again (a transient copy)
-and returns each expert's gradient as a slice of one grouped weight-gradient product.
-
-`F.grouped_mm` takes float32 / bfloat16 / float16; float64 (the parity runs) goes through one batched
-matmul over the groups padded to the largest: the same per-row dot products.
+Why an autograd function of its own: the forward saves the rows and a reference to the weight
+(nothing of the weight's size), the backward computes the input gradient with the same kernel and
+the weight gradient as one grouped product [G, O, I]; and float64 (the parity runs), which
+`F.grouped_mm` does not take, runs the same per-row dot products as one batched matmul over the
+groups padded to the largest.
 """
 
 from __future__ import annotations
@@ -22,23 +20,6 @@ import torch
 import torch.nn.functional as F
 
 _GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_WORKSPACE: dict[tuple, torch.Tensor] = {}
-
-
-def _stacked(weights_OI: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """The weights as one [G, O, I] tensor. On a CPU into a buffer kept per shape: a fresh
-    allocation of this size comes from the OS page by page (at Flash widths the page faults cost
-    more than the grouped product), and every layer stacks the same shape. The buffer is only
-    read by the product that follows, so one per shape serves all layers, forward and backward.
-    GPU allocators reuse blocks themselves."""
-    w = weights_OI[0]
-    shape = (len(weights_OI), *w.shape)
-    if w.device.type != "cpu":
-        return torch.stack(weights_OI)
-    key = (shape, w.dtype)
-    if key not in _WORKSPACE:
-        _WORKSPACE[key] = torch.empty(shape, dtype=w.dtype)
-    return torch.stack(weights_OI, out=_WORKSPACE[key])
 
 
 def _offsets(counts: list[int], device: torch.device) -> torch.Tensor:
@@ -79,21 +60,22 @@ def grouped_weight_grad(g_NO: torch.Tensor, h_NI: torch.Tensor, counts: list[int
 
 class _GroupedLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h_NI: torch.Tensor, counts: list[int], *weights_OI: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, h_NI: torch.Tensor, counts: list[int], w_GOI: torch.Tensor) -> torch.Tensor:
         ctx.counts = counts
-        ctx.save_for_backward(h_NI, *weights_OI)  # references: no stacked copy stays alive
-        return grouped_mm(h_NI, _stacked(weights_OI).transpose(1, 2), counts)
+        ctx.save_for_backward(h_NI, w_GOI)
+        return grouped_mm(h_NI, w_GOI.transpose(1, 2), counts)
 
     @staticmethod
     def backward(ctx, g_NO: torch.Tensor):
-        h_NI, *weights_OI = ctx.saved_tensors
+        h_NI, w_GOI = ctx.saved_tensors
         g_NO = g_NO.contiguous()
-        grad_h = grouped_mm(g_NO, _stacked(weights_OI), ctx.counts) if ctx.needs_input_grad[0] else None
-        grad_w = grouped_weight_grad(g_NO, h_NI, ctx.counts)
-        return grad_h, None, *grad_w.unbind(0)
+        grad_h = grouped_mm(g_NO, w_GOI, ctx.counts) if ctx.needs_input_grad[0] else None
+        grad_w = grouped_weight_grad(g_NO, h_NI, ctx.counts) if ctx.needs_input_grad[2] else None
+        return grad_h, None, grad_w
 
 
-def grouped_linear(h_NI: torch.Tensor, counts: list[int], weights_OI: list[torch.Tensor]) -> torch.Tensor:
-    """Rows of `h_NI` grouped by `counts`, group g times weights_OI[g]^T (as `F.linear`) -> [N, O]."""
-    assert len(counts) == len(weights_OI) and sum(counts) == h_NI.shape[0], (counts, h_NI.shape)
-    return _GroupedLinear.apply(h_NI, counts, *weights_OI)
+def grouped_linear(h_NI: torch.Tensor, counts: list[int], w_GOI: torch.Tensor) -> torch.Tensor:
+    """Rows of `h_NI` grouped by `counts`, group g times w_GOI[g]^T (as `F.linear`) -> [N, O]."""
+    assert w_GOI.dim() == 3 and len(counts) == w_GOI.shape[0], (counts, w_GOI.shape)
+    assert sum(counts) == h_NI.shape[0], (counts, h_NI.shape)
+    return _GroupedLinear.apply(h_NI, counts, w_GOI)

@@ -3,9 +3,11 @@
 Legend:  E routed experts   ep ranks in the group   L = E / ep experts per rank (rank r holds the
 global ids r L .. r L + L - 1)   N routed rows (tokens x k) of this rank
 
-`apply_ep` keeps only a rank's own experts in every MoE (the full model is built from the seed on
-every rank, so the kept experts hold the values one process would). `dispatch_combine` runs one
-layer's routed experts over the group:
+`apply_ep` makes every MoE's stacked experts ([E, out, in], models/dsv4/moe.py) DTensors sharded
+over the ep mesh on the expert dimension: each rank keeps its own E / ep experts (the full model is
+built from the seed on every rank, so the kept slices hold the values one process would; no data
+moves), while names and global shapes stay those of one process, so DCP reshards a checkpoint
+across ep degrees. `dispatch_combine` runs one layer's routed experts over the group:
 
 1. the per-expert row counts [E] go through an all-to-all under no_grad: rank r learns how many
    rows each peer sends to each of its L experts ([ep, L]); the split sizes are their row sums;
@@ -29,6 +31,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 
 
 def local_expert_ids(n_experts: int, ep: int, ep_rank: int) -> range:
@@ -38,14 +42,26 @@ def local_expert_ids(n_experts: int, ep: int, ep_rank: int) -> range:
     return range(ep_rank * per_rank, (ep_rank + 1) * per_rank)
 
 
-def apply_ep(moes: list[nn.Module], group: dist.ProcessGroup) -> None:
-    """Keep this rank's experts in every MoE and route through `group`."""
-    ep, rank = dist.get_world_size(group), dist.get_rank(group)
+EXPERT_WEIGHTS = ("w1", "w2", "w3")
+"""The stacked parameters of `moe.experts`, each [E, out, in]."""
+
+
+def apply_ep(moes: list[nn.Module], mesh: DeviceMesh) -> None:
+    """Shard every MoE's experts over the 1-D ep `mesh` (`Shard(0)`: rank r holds
+    `local_expert_ids(E, ep, r)`) and route through its group."""
     for moe in moes:
-        keep = {str(e) for e in local_expert_ids(moe.n_experts, ep, rank)}
-        for name in [n for n in moe.experts if n not in keep]:
-            del moe.experts[name]
-        moe.ep_group = group
+        ids = local_expert_ids(moe.n_experts, mesh.size(), mesh.get_local_rank())
+        for name in EXPERT_WEIGHTS:
+            p = getattr(moe.experts, name)
+            assert not isinstance(p, DTensor) and p.shape[0] == moe.n_experts, (name, p.shape)
+            # Every rank holds the full stack (built from one seed): keep a copy of the local slice
+            # (no scatter; a view would keep the whole stack's storage alive).
+            mine = p.data[ids.start : ids.stop].clone()
+            shard = DTensor.from_local(
+                mine, mesh, [Shard(0)], run_check=False, shape=p.shape, stride=p.stride()
+            )
+            moe.experts.register_parameter(name, nn.Parameter(shard, requires_grad=p.requires_grad))
+        moe.ep_group = mesh.get_group()
 
 
 def _is_fake(group: dist.ProcessGroup) -> bool:

@@ -33,12 +33,13 @@ def apply_fsdp(
     blocks: Iterable[nn.Module],
     mp_param_dtype: torch.dtype | None = None,
     reshard_after_forward: bool = True,
-    other_units: Iterable[tuple[nn.Module, DeviceMesh]] = (),
+    other_units: Iterable[tuple[nn.Module, DeviceMesh, int]] = (),
 ) -> nn.Module:
     """Shard `blocks` (each its own all-gather unit) and then the root over `fsdp_mesh`.
 
-    `other_units` are sharded first, each over its own mesh (expert-parallel routed experts over
-    `efsdp`), so that their blocks leave them out.
+    `other_units` (unit, mesh, dim) are sharded first, each over its own mesh on the given
+    parameter dimension (expert-parallel routed experts over `efsdp` on dim 1, their dim 0 being
+    ep's), so that their blocks leave them out.
 
     `mp_param_dtype` (e.g. bfloat16) is the dtype parameters are gathered in for compute; the
     sharded master weights and the gradient reduction stay in float32.
@@ -48,8 +49,14 @@ def apply_fsdp(
         mp_policy = MixedPrecisionPolicy()
     else:
         mp_policy = MixedPrecisionPolicy(param_dtype=mp_param_dtype, reduce_dtype=torch.float32)
-    for unit, mesh in other_units:
-        fully_shard(unit, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
+    for unit, mesh, dim in other_units:
+        fully_shard(
+            unit,
+            mesh=mesh,
+            mp_policy=mp_policy,
+            reshard_after_forward=reshard_after_forward,
+            shard_placement_fn=lambda _p, dim=dim: Shard(dim),
+        )
     for block in blocks:
         fully_shard(block, mesh=fsdp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=fsdp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
@@ -93,15 +100,16 @@ def materialize_sharded(model: nn.Module, device: str | torch.device = "cpu", st
 
 def largest_unsharded_unit_bytes(model: nn.Module) -> int:
     """Bytes of the largest FSDP unit's full (unsharded) parameters: what one all-gather of a
-    forward or backward materialises on a rank, whatever the fsdp degree (its tp share under TP)."""
+    forward or backward materialises on a rank, whatever the fsdp degree (its tp share under TP,
+    its own experts under EP)."""
     units = [m for m in model.modules() if isinstance(m, FSDPModule)] or [model]
     nested = {u: [v for v in u.modules() if v is not u and isinstance(v, FSDPModule)] for u in units}
     largest = 0
     for unit in units:
         inner = {id(p) for v in nested[unit] for p in v.parameters()}
         own = [p for p in unit.parameters() if id(p) not in inner]
-        # A DTensor's global shape, less its tensor-parallel split (an FSDP all-gather stops at tp).
-        largest = max(largest, sum(math.prod(_tp_local_shape(p)) * p.element_size() for p in own))
+        # A DTensor's global shape, less its tp / ep split (an FSDP all-gather stops at them).
+        largest = max(largest, sum(math.prod(_model_parallel_shape(p)) * p.element_size() for p in own))
     return largest
 
 
@@ -138,23 +146,29 @@ def local_numel(shape: torch.Size | tuple[int, ...], shards: int, shard_rank: in
     return local_rows * math.prod(shape[1:])
 
 
-def _tp_local_shape(p: torch.Tensor) -> tuple[int, ...]:
-    """Global shape with the tensor-parallel dimension cut to tp rank 0's share (ceil)."""
+_MODEL_PARALLEL_DIMS = ("tp", "ep")
+"""Mesh dimensions that split a parameter for compute (FSDP's all-gather stops at them)."""
+
+
+def _model_parallel_shape(p: torch.Tensor) -> tuple[int, ...]:
+    """Global shape with the tensor- and expert-parallel dimensions cut to rank 0's share (ceil)."""
     shape = list(p.shape)
     names = (p.device_mesh.mesh_dim_names or ()) if isinstance(p, DTensor) else ()
-    if "tp" in names:
-        i = names.index("tp")
+    for i, name in enumerate(names):
         placement = p.placements[i]
-        if isinstance(placement, Shard):
+        if name in _MODEL_PARALLEL_DIMS and isinstance(placement, Shard):
             shape[placement.dim] = math.ceil(shape[placement.dim] / p.device_mesh.size(i))
     return tuple(shape)
 
 
-def _fsdp_shards(p: DTensor) -> int:
-    names = p.device_mesh.mesh_dim_names or ()
-    return math.prod(
-        p.device_mesh.size(i) for i in range(p.device_mesh.ndim) if i >= len(names) or names[i] != "tp"
-    )
+def _sharded_numel(p: DTensor) -> int:
+    """Elements of the coordinate-0 shard of a DTensor (the largest: torch.chunk's first part),
+    every mesh dimension's `Shard(dim)` cutting its dimension in turn."""
+    shape = list(p.shape)
+    for i, placement in enumerate(p.placements):
+        if isinstance(placement, Shard):  # _StridedShard too: the same share of the dimension
+            shape[placement.dim] = math.ceil(shape[placement.dim] / p.device_mesh.size(i))
+    return math.prod(shape)
 
 
 def estimate_memory_per_rank(
@@ -178,9 +192,9 @@ def estimate_memory_per_rank(
     shards = parallel_dims.fsdp_degree if parallel_dims.fsdp_enabled else 1
     params = states = 0
     for name, p in model.named_parameters():
-        # A sharded parameter's own mesh (expert-parallel experts: efsdp, not fsdp); its tp
-        # dimension is a tensor-parallel split, the others FSDP's.
-        n = local_numel(_tp_local_shape(p), _fsdp_shards(p) if isinstance(p, DTensor) else shards)
+        # A sharded parameter's own placements (expert-parallel experts: ep x efsdp); an unsharded
+        # one as FSDP will cut it, on dim 0 over fsdp.
+        n = _sharded_numel(p) if isinstance(p, DTensor) else local_numel(p.shape, shards)
         params += n
         states += n * (1 if optimizer == "muon" and name in muon_params else 2)
     return MemoryEstimate(params, params * itemsize, params * itemsize, states * itemsize)

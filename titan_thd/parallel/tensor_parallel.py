@@ -114,15 +114,16 @@ class GatherRows(ParallelStyle):
 
 
 class ShardedLocal(ParallelStyle):
-    """Split the module's `weight` over tp on `dim` (0: output features, 1: input features); the
-    model multiplies with `local(weight)` inside a GatherRows region (no communication here)."""
+    """Split the module's `weight` over tp on `dim` (0: output features, 1: input features), or
+    each named parameter on its dim (`{name: dim}`: stacked experts); the model multiplies with
+    `local(weight)` inside a GatherRows region (no communication here)."""
 
-    def __init__(self, dim: int):
+    def __init__(self, dim: int | dict[str, int]):
         super().__init__()
-        self.dim = dim
+        self.dims = dim if isinstance(dim, dict) else {"weight": dim}
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        _shard_params(module, device_mesh, {"weight": self.dim})
+        _shard_params(module, device_mesh, self.dims)
         return module
 
 

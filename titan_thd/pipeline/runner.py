@@ -101,7 +101,7 @@ class ModelParts:
     parallelism the model with the other ranks' layers removed, whose chunks the schedule runs."""
     runner: LocalRunner | PipelineSchedule
     num_params: int
-    """Parameters of this rank's stages, counted before expert parallelism drops other ranks' experts."""
+    """Parameters of this rank's stages (global shapes: sharded parameters count in full)."""
 
 
 def build(

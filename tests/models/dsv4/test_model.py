@@ -305,7 +305,7 @@ def test_flash_builds_on_meta():
 def test_matrix_params_split():
     model = build(micro())
     names = set(spec.matrix_params(model))
-    assert "layers.1.attn.wq_a.weight" in names and "layers.2.ffn.experts.3.w2.weight" in names
+    assert "layers.1.attn.wq_a.weight" in names and "layers.2.ffn.experts.w2" in names
     assert "layers.1.hc_attn.fn" in names and "layers.1.ffn.gate.weight" in names
     for name in (
         "embed.weight",
@@ -317,7 +317,10 @@ def test_matrix_params_split():
         "layers.1.hc_attn.scale",
     ):
         assert name not in names
-    assert all(p.ndim == 2 for n, p in model.named_parameters() if n in names)
+    # matrices, and the routed experts as [E, out, in] stacks of them
+    assert all(
+        p.ndim == (3 if ".ffn.experts." in n else 2) for n, p in model.named_parameters() if n in names
+    )
 
 
 def test_flops_counts_match_brute_force():

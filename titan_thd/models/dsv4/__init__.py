@@ -21,12 +21,13 @@ from titan_thd.models.spec import ModelSpec, PipelineSpec
 
 
 def matrix_params(model: nn.Module) -> list[str]:
-    """Muon's share: every 2-D weight except the embedding, the LM head and the compressor slot
-    biases (`ape`). Norm weights, mHC base / scale, sinks and balancing biases are vectors (AdamW)."""
+    """Muon's share: every 2-D weight and the [E, out, in] stacks of routed experts, except the
+    embedding, the LM head and the compressor slot biases (`ape`). Norm weights, mHC base / scale,
+    sinks and balancing biases are vectors (AdamW)."""
     return [
         name
         for name, p in model.named_parameters()
-        if p.ndim == 2 and not name.endswith(".ape") and name not in ("embed.weight", "head.weight")
+        if p.ndim in (2, 3) and not name.endswith(".ape") and name not in ("embed.weight", "head.weight")
     ]
 
 

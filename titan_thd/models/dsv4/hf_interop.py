@@ -1,11 +1,13 @@
 """Hugging Face DeepSeek-V4 checkpoints <-> titan_thd dsv4 (the only place that knows the names).
 
 Three spellings of the same tensors exist:
-  ours         layers.3.attn.wq_a.weight  layers.3.hc_attn.fn  layers.3.ffn.experts.5.w1.weight  hc_head.fn
+  ours         layers.3.attn.wq_a.weight  layers.3.hc_attn.fn  layers.3.ffn.experts.w1 [E, F, d]  hc_head.fn
   reference    DeepSeek's release (and what transformers' save_pretrained writes back, partly under a
-               `model.` prefix): the same but hc_attn_fn, hc_head_fn, plus mtp.0.*
+               `model.` prefix): the same but hc_attn_fn, hc_head_fn, one tensor per routed expert
+               (layers.3.ffn.experts.5.w1.weight [F, d] = our w1[5]), plus mtp.0.*
   transformers the module names of DeepseekV4ForCausalLM: model.layers.3.self_attn.q_a_proj.weight,
-               ...mlp.experts.gate_up_proj (experts fused [E, 2F, d]); it never instantiates MTP.
+               ...mlp.experts.gate_up_proj (experts fused [E, 2F, d]: w1 then w3 on dim 1),
+               ...mlp.experts.down_proj [E, d, F] (= our w2); it never instantiates MTP.
 `load_hf` accepts any mix of them, and DeepSeek's published block-quantised FP8 / FP4 weights
 (dequantised on load, hf_dequant.py); `export_hf` writes the reference spelling (config.json in the
 transformers format), which `DeepseekV4ForCausalLM.from_pretrained` loads.
@@ -81,6 +83,8 @@ _OURS_TO_REFERENCE = [
     (r"\.hc_(attn|ffn)\.(fn|base|scale)$", r".hc_\1_\2"),
 ]
 _FUSED_EXPERTS = re.compile(r"^(.*\.ffn\.experts)\.(gate_up_proj|down_proj)$")
+_PER_EXPERT = re.compile(r"^(.*\.ffn\.experts)\.(\d+)\.(w[123])\.weight$")
+_STACKED = re.compile(r"^(.*\.ffn\.experts)\.(w[123])$")
 
 
 def _rename(key: str, rules: list[tuple[str, str]]) -> str:
@@ -89,28 +93,64 @@ def _rename(key: str, rules: list[tuple[str, str]]) -> str:
     return key
 
 
+def stack_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-expert routed-expert tensors (`<layer>.ffn.experts.<e>.w1.weight` [F, d]) -> our stacks
+    (`<layer>.ffn.experts.w1` [E, F, d]); other keys pass unchanged. ValueError if an id is missing."""
+    out: dict[str, torch.Tensor] = {}
+    per_expert: dict[str, dict[int, torch.Tensor]] = {}
+    for key, value in state.items():
+        single = _PER_EXPERT.match(key)
+        if single:
+            prefix, e, name = single.groups()
+            per_expert.setdefault(f"{prefix}.{name}", {})[int(e)] = value
+        else:
+            out[key] = value
+    for key, by_id in per_expert.items():
+        ids = sorted(by_id)
+        if ids != list(range(len(ids))):
+            absent = sorted(set(range(ids[-1] + 1)) - set(ids))
+            raise ValueError(
+                f"{key}: experts {absent} are missing (the checkpoint has experts {ids[0]}..{ids[-1]})"
+            )
+        out[key] = torch.stack([by_id[e] for e in ids])
+    return out
+
+
+def split_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our stacks -> one tensor per routed expert (the inverse of `stack_experts`; a copy each:
+    safetensors refuses tensors that share storage)."""
+    out: dict[str, torch.Tensor] = {}
+    for key, value in state.items():
+        stacked = _STACKED.match(key)
+        if stacked:
+            prefix, name = stacked.groups()
+            out |= {f"{prefix}.{e}.{name}.weight": value[e].clone() for e in range(value.shape[0])}
+        else:
+            out[key] = value
+    return out
+
+
 def to_ours(hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Any HF spelling (transformers modules, reference, or transformers' saved mix) -> our names."""
+    """Any HF spelling (transformers modules, reference, or transformers' saved mix) -> our names,
+    the per-expert (or fused) routed experts stacked to [E, out, in]."""
     out: dict[str, torch.Tensor] = {}
     for key, value in hf_state.items():
         key = _rename(key, _TRANSFORMERS_TO_REFERENCE)
         fused = _FUSED_EXPERTS.match(key)
         if fused:
             prefix, kind = fused.groups()
-            for e in range(value.shape[0]):
-                if kind == "down_proj":
-                    out[f"{prefix}.{e}.w2.weight"] = value[e]
-                else:
-                    w1, w3 = value[e].chunk(2, dim=0)
-                    out[f"{prefix}.{e}.w1.weight"], out[f"{prefix}.{e}.w3.weight"] = w1, w3
+            if kind == "down_proj":
+                out[f"{prefix}.w2"] = value
+            else:
+                out[f"{prefix}.w1"], out[f"{prefix}.w3"] = value.chunk(2, dim=1)
             continue
         out[_rename(key, _REFERENCE_TO_OURS)] = value
-    return out
+    return stack_experts(out)
 
 
 def to_reference(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Our names -> the reference (DeepSeek release) names."""
-    return {_rename(k, _OURS_TO_REFERENCE): v for k, v in state.items()}
+    """Our names -> the reference (DeepSeek release) names: one tensor per routed expert."""
+    return {_rename(k, _OURS_TO_REFERENCE): v for k, v in split_experts(state).items()}
 
 
 # ---------------------------------------------------------------------------------------- config

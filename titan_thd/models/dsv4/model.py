@@ -14,7 +14,9 @@ trained-token count like the main cross-entropy):
     "indexer": indexer_loss_coeff * sum over CSA layers and valid rows of the indexer KL
                (training mode only; it is the indexer's only gradient source).
 Module and parameter names follow the reference checkpoint (`embed`, `layers.<i>.attn.wq_a`,
-`layers.<i>.ffn.experts.<e>.w1`, `hc_head`, `head`, `mtp.0`), so hf_interop renames little.
+`hc_head`, `head`, `mtp.0`), so hf_interop renames little; the routed experts are stacked per layer
+(`layers.<i>.ffn.experts.w1` [E, F, d]), which hf_interop splits into the checkpoint's per-expert
+`layers.<i>.ffn.experts.<e>.w1.weight`.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from titan_thd.models.dsv4.attention import Attention
 from titan_thd.models.dsv4.block import Block
 from titan_thd.models.dsv4.compressor import Compressor
 from titan_thd.models.dsv4.mhc import HyperConnection, HyperHead
-from titan_thd.models.dsv4.moe import Gate
+from titan_thd.models.dsv4.moe import Experts, Gate
 from titan_thd.models.dsv4.mtp import MTPBlock, mtp_inputs_targets
 from titan_thd.models.dsv4.norm import RMSNorm
 from titan_thd.models.dsv4.plans import get_plan
@@ -110,6 +112,12 @@ class DSv4Model(nn.Module):
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(_local(module.weight), std=std)
+            elif isinstance(module, Experts):
+                # Expert by expert, w1 w2 w3 each: the draws of per-expert nn.Linear weights.
+                w1, w2, w3 = _local(module.w1), _local(module.w2), _local(module.w3)
+                for e in range(w1.shape[0]):
+                    for w in (w1, w2, w3):
+                        nn.init.normal_(w[e], std=std)
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(_local(module.weight))
             elif isinstance(module, (HyperConnection, HyperHead)):

@@ -1,23 +1,22 @@
 """DeepSeek-V4 mixture of experts (docs/dsv4.md §6).
 
-Legend:  T rows   d model width   E routed experts   k experts per token   F expert width
+Legend:  T rows   d model width   E routed experts (E_local on this rank)   k experts per token
+         F expert width   N routed rows (T k, sorted by expert)
 
 Scores s = sqrt(softplus(x W_g^T)) (fp32). Learned layers pick top-k of s + b, with b a non-gradient
 per-expert bias nudged after every optimizer step towards balanced load (aux-loss-free balancing);
 hash layers take the experts from a frozen token-id table. The gate weights are the chosen scores
 normalised to sum 1, times `route_scale`. Experts and the one shared expert are SwiGLU with clamps
-(gate <= limit, |up| <= limit). Expert weights are per-expert 2-D matrices (Muon orthogonalises
-each expert separately), named like the reference checkpoint (`experts.<e>.w1`).
+(gate <= limit, |up| <= limit).
 
-Routed experts run as one grouped matrix product per projection (`grouped_experts`, through
-ops/grouped_linear.py): the rows are sorted by expert and each projection's weights are stacked to
-[E, in, out] for `F.grouped_mm`. Why the weights stay per-expert 2-D parameters rather than stacked
-ones: checkpoint and HF names, DCP resharding across expert-parallel degrees (a key is one expert,
-owned by one ep rank) and Muon's per-matrix Newton-Schulz all stay as they are; the price is a
-transient copy of the local experts' weights per projection in the forward and again in the
-backward (never saved between them). On a CPU that copy costs time at Flash widths (scripts/bench_moe.py). With expert
-parallelism (`experts` holds only this rank's E / ep experts, keyed by global id) the rows travel
-to their experts' ranks and back by all-to-all (parallel/expert_parallel.py).
+The routed experts of a layer are three stacked parameters (`Experts`): w1, w3 [E, F, d] and
+w2 [E, d, F], expert e's matrices at index e ([out, in] each, like `nn.Linear.weight`). They run as
+one grouped matrix product per projection on those tensors themselves (ops/grouped_linear.py: no
+per-step copy); Muon orthogonalises each expert's matrix with one batched Newton-Schulz per
+stacked tensor. The HF names stay per expert (`experts.<e>.w1.weight`, hf_interop.py maps them).
+With expert parallelism the stacks are DTensors sharded over `ep` on the expert dimension (rank r
+computes with its E / ep experts, `local()`), and the rows travel to their experts' ranks and back
+by all-to-all (parallel/expert_parallel.py).
 """
 
 from __future__ import annotations
@@ -40,7 +39,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
 
 
 class Expert(nn.Module):
-    """Clamped SwiGLU: w2(silu(min(w1 x, L)) * clamp(w3 x, -L, L))."""
+    """The shared expert, clamped SwiGLU: w2(silu(min(w1 x, L)) * clamp(w3 x, -L, L))."""
 
     def __init__(self, dim: int, hidden: int, limit: float):
         super().__init__()
@@ -58,39 +57,61 @@ class Expert(nn.Module):
 
 
 def grouped_experts(
-    x_ND: torch.Tensor, counts: list[int], experts: list[Expert], limit: float, act=swiglu
+    x_ND: torch.Tensor,
+    counts: list[int],
+    w1_EFD: torch.Tensor,
+    w2_EDF: torch.Tensor,
+    w3_EFD: torch.Tensor,
+    limit: float,
+    act=swiglu,
 ) -> torch.Tensor:
-    """Clamped SwiGLU of rows sorted by expert: rows [sum(counts[:i]), sum(counts[:i+1])) go
-    through experts[i]; one grouped matrix product per projection instead of one per expert."""
-    assert len(counts) == len(experts) and sum(counts) == x_ND.shape[0], (counts, x_ND.shape)
+    """Clamped SwiGLU of rows sorted by expert: rows [sum(counts[:e]), sum(counts[:e+1])) go
+    through expert e of the stacks; one grouped matrix product per projection."""
+    assert len(counts) == w1_EFD.shape[0] and sum(counts) == x_ND.shape[0], (counts, x_ND.shape)
     if x_ND.shape[0] == 0:  # nothing routed here: an empty result still in the graph (collectives)
         return x_ND * 0
-
-    def project(h: torch.Tensor, name: str) -> torch.Tensor:
-        return grouped_linear(h, counts, [local(getattr(e, name).weight) for e in experts])  # TP: the shard
-
-    return project(act(project(x_ND, "w1"), project(x_ND, "w3"), limit), "w2")
+    gate, up = grouped_linear(x_ND, counts, w1_EFD), grouped_linear(x_ND, counts, w3_EFD)
+    return grouped_linear(act(gate, up, limit), counts, w2_EDF)
 
 
-def looped_experts(x_ND: torch.Tensor, counts: list[int], experts: list[Expert]) -> torch.Tensor:
-    """Reference of `grouped_experts` (the test oracle): one expert call per group of rows."""
+def looped_experts(
+    x_ND: torch.Tensor,
+    counts: list[int],
+    w1_EFD: torch.Tensor,
+    w2_EDF: torch.Tensor,
+    w3_EFD: torch.Tensor,
+    limit: float,
+) -> torch.Tensor:
+    """Reference of `grouped_experts` (the test oracle): one F.linear per expert and projection
+    (`w[e]` of a stack, or of a list of per-expert 2-D weights)."""
     outs, begin = [x_ND.new_zeros(0, x_ND.shape[1])], 0
-    for expert, n in zip(experts, counts):
+    for e, n in enumerate(counts):
         if n:
-            outs.append(expert(x_ND[begin : begin + n]))
+            x = x_ND[begin : begin + n]
+            h = swiglu(F.linear(x, w1_EFD[e]), F.linear(x, w3_EFD[e]), limit)
+            outs.append(F.linear(h, w2_EDF[e]))
         begin += n
     return torch.cat(outs)
 
 
-class Experts(nn.ModuleDict):
-    """The routed experts this rank holds, keyed by global id (`experts.<e>.w1`): a module of its
-    own so that FSDP can gather them as one unit when they are sharded apart from their block."""
+class Experts(nn.Module):
+    """The routed experts, stacked: w1, w3 [E, F, d] and w2 [E, d, F] (expert e at index e). A
+    module of its own so that FSDP can gather them as one unit when they are sharded apart from
+    their block (expert parallelism)."""
 
     act = staticmethod(swiglu)
     """The experts' activation; `apply_compile` swaps in its compiled form on the instance."""
 
+    def __init__(self, n_experts: int, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(n_experts, hidden, dim))
+        self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden))
+        self.w3 = nn.Parameter(torch.empty(n_experts, hidden, dim))
+
     def forward(self, x_ND: torch.Tensor, counts: list[int], limit: float) -> torch.Tensor:
-        return grouped_experts(x_ND, counts, list(self.values()), limit, self.act)
+        # local(): this rank's experts (EP, Shard(0)) or hidden columns (TP, a partial output).
+        w1, w2, w3 = local(self.w1), local(self.w2), local(self.w3)
+        return grouped_experts(x_ND, counts, w1, w2, w3, limit, self.act)
 
 
 class Gate(nn.Module):
@@ -150,10 +171,7 @@ class MoE(nn.Module):
         super().__init__()
         self.n_experts, self.limit = args.n_experts, args.swiglu_limit
         self.gate = Gate(args, hash_routed)
-        # Keyed by global expert id; under expert parallelism only this rank's ids remain.
-        self.experts = Experts(
-            {str(e): Expert(args.dim, args.moe_inter_dim, args.swiglu_limit) for e in range(args.n_experts)}
-        )
+        self.experts = Experts(args.n_experts, args.dim, args.moe_inter_dim)
         self.shared_experts = Expert(args.dim, args.moe_inter_dim, args.swiglu_limit)
         self.ep_group: dist.ProcessGroup | None = None
         """Expert-parallel group (set by parallel.expert_parallel.apply_ep); None = all experts local."""

@@ -3,8 +3,9 @@ order (context parallelism needs no wrapping: the attention reads BatchMeta.cp, 
 only; under TP every tp rank exchanges its halo and entries with the CP neighbours of its own tp
 coordinate). Tensor and expert parallelism do not combine yet (refused at start-up).
 
-Expert parallelism (docs/design.md §5.2): each rank keeps E / ep routed experts, which FSDP
-shards as units of their own over `efsdp`.
+Expert parallelism (docs/design.md §5.2): the stacked routed experts [E, out, in] become DTensors
+sharded over `ep` on the expert dimension; FSDP shards them as units of their own over `efsdp` on
+their output dimension (dim 1), so every rank holds a share of every local expert.
 
 Tensor parallelism (docs/design.md §5.1): the mHC streams [T, N, d] are sequence-parallel between
 sub-layers (this rank's T/cp/tp rows; mHC and the norms run on them), attention and the MoE are
@@ -70,7 +71,7 @@ def tp_divides(args) -> dict[str, int]:
 
 
 def _block_plan(prefix: str, block: nn.Module) -> dict[str, ParallelStyle]:
-    attn, ffn = block.attn, block.ffn
+    attn = block.attn
     plan: dict[str, ParallelStyle] = {
         # Sequence-parallel rows: mHC and the norms see this rank's rows only.
         f"{prefix}.hc_attn": ReplicatedPartialGrad(),
@@ -86,23 +87,19 @@ def _block_plan(prefix: str, block: nn.Module) -> dict[str, ParallelStyle]:
         f"{prefix}.attn.kv_norm": ReplicatedPartialGrad(),
         f"{prefix}.attn.wo_a": ShardedLocal(0),  # [G * o_lora, H * D / G]: whole groups
         f"{prefix}.attn.wo_b": ShardedLocal(1),
-        # MoE on all rows; the router is replicated, every expert split on its hidden columns.
+        # MoE on all rows; the router is replicated, every expert split on its hidden columns
+        # (the stacked routed experts: w1 / w3 [E, F, d] on F, w2 [E, d, F] on F).
         f"{prefix}.ffn": GatherRows(),
         f"{prefix}.ffn.gate": ReplicatedPartialGrad(),
         f"{prefix}.ffn.shared_experts.w1": ShardedLocal(0),
         f"{prefix}.ffn.shared_experts.w3": ShardedLocal(0),
         f"{prefix}.ffn.shared_experts.w2": ShardedLocal(1),
+        f"{prefix}.ffn.experts": ShardedLocal({"w1": 1, "w3": 1, "w2": 2}),
     }
     if attn.compressor is not None:
         plan[f"{prefix}.attn.compressor"] = ReplicatedPartialGrad()
     if attn.indexer is not None:  # detached inputs, taught by an all-reduced teacher
         plan[f"{prefix}.attn.indexer"] = ReplicatedFullGrad()
-    for e in range(len(ffn.experts)):
-        plan |= {
-            f"{prefix}.ffn.experts.{e}.w1": ShardedLocal(0),
-            f"{prefix}.ffn.experts.{e}.w3": ShardedLocal(0),
-            f"{prefix}.ffn.experts.{e}.w2": ShardedLocal(1),
-        }
     return plan
 
 
@@ -139,19 +136,24 @@ def apply_tp(model: DSv4Model, parallel_dims: ParallelDims) -> None:
     collect_replicated_grads(model, tp_mesh.get_group())
 
 
-def apply_ep(model: DSv4Model, parallel_dims: ParallelDims) -> list[tuple[nn.Module, object]]:
-    """Keep this rank's routed experts (parallel/expert_parallel.py); returns the FSDP units they
-    form over `efsdp` (sharded even over one rank, so their blocks' FSDP leaves them out)."""
+EXPERT_FSDP_DIM = 1
+"""The dimension FSDP shards the expert-parallel stacks on over `efsdp` (dim 0 is ep's)."""
+
+
+def apply_ep(model: DSv4Model, parallel_dims: ParallelDims) -> list[tuple[nn.Module, object, int]]:
+    """Shard the routed experts over `ep` (parallel/expert_parallel.py); returns the FSDP units they
+    form over `efsdp` and the dimension it shards (sharded even over one rank, so their blocks'
+    FSDP leaves them out)."""
     if not parallel_dims.ep_enabled:
         return []
     moes = [m for m in model.modules() if isinstance(m, MoE)]
-    expert_parallel.apply_ep(moes, parallel_dims.get_mesh("ep").get_group())
+    expert_parallel.apply_ep(moes, parallel_dims.get_mesh("ep"))
     efsdp_mesh = parallel_dims.get_mesh("efsdp")
-    return [(m.experts, efsdp_mesh) for m in moes]
+    return [(m.experts, efsdp_mesh, EXPERT_FSDP_DIM) for m in moes]
 
 
 def apply_fsdp(
-    model: DSv4Model, parallel_dims: ParallelDims, expert_units: list[tuple[nn.Module, object]] = ()
+    model: DSv4Model, parallel_dims: ParallelDims, expert_units: list[tuple[nn.Module, object, int]] = ()
 ) -> None:
     """FSDP per block (MTP blocks included), then the root, over the fsdp mesh (dp x cp)."""
     fsdp_mesh = parallel_dims.get_optional_mesh("fsdp")
