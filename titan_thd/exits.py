@@ -22,11 +22,11 @@ work object; when that is the last one, the work's tensors (Python-owned) are fr
 which takes the GIL to do so. If the main thread has meanwhile returned from `main()` and started
 finalizing, Python 3.11 ends any thread that takes the GIL with `pthread_exit`, whose unwinding
 through the work's `noexcept` destructor calls `std::terminate`: SIGABRT, exit code -6, after every
-step ran and was logged (seen in CI; a core dump shows `~AsyncBarrierWork` -> `take_gil` ->
-`PyThread_exit_thread` -> `std::terminate`). The worker threads are joined only when the process
-group objects are destroyed; `destroy_process_group` does not destroy them, and torch's own DTensor
-caches keep them alive until finalization. A process that ends with `os._exit` after flushing its
-output has no finalization for such a thread to run into.
+step ran and was logged (the CI flake of a DP2 x CP2 run; the core dump of a reproduction shows
+`~AsyncBarrierWork` -> `take_gil` -> `PyThread_exit_thread` -> `std::terminate`). The worker
+threads are joined only when the process group objects are destroyed; `destroy_process_group` does
+not destroy them, and torch's own DTensor caches keep them alive until finalization. A process that
+ends with `os._exit` after flushing its output has no finalization for such a thread to run into.
 """
 
 from __future__ import annotations

@@ -55,6 +55,11 @@ def reported_failure(failures: dict[int, ProcessFailure]) -> tuple[str, int] | N
     return failures[rank].error_file_data["message"], int(entries[rank]["code"])
 
 
+def stop_the_launch(signum: int, frame: object) -> None:
+    print("stopped before the ranks started: nothing to save", file=sys.stderr, flush=True)
+    sys.exit(128 + signum)
+
+
 def main(argv: list[str]) -> int:
     try:
         os.setsid()
@@ -62,7 +67,7 @@ def main(argv: list[str]) -> int:
         pass
     die_with_parent()
     signal.signal(signal.SIGTERM, lambda *_: None)
-    signal.signal(signal.SIGINT, lambda *_: sys.exit(130))
+    signal.signal(signal.SIGINT, stop_the_launch)
     os.environ[LAUNCHER_ENV] = "1"  # inherited by the ranks
     # torchrun logs each failed and each stopped rank (ERROR / WARNING): the report below says it once.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)

@@ -212,6 +212,7 @@ class Trainer:
             fingerprint=fingerprint,
         )
         self.stop = StopSignal(announce=self.dist.is_main)  # SIGTERM, Ctrl-C: installed by train()
+        self.stopped = False  # whether a stop signal (to any rank) ended train() early
         # Only one rank writes metrics; it measures the MFU peak while the others wait.
         self.peak_tflops = 0.0
         if self.dist.is_main:
@@ -379,6 +380,7 @@ class Trainer:
             # Every rank stops after the same step, whichever ranks the signal reached.
             if dist_utils.any_rank(self.stop.requested):
                 self.checkpointer.save(self.step, force=True)
+                self.stopped = True
                 break
 
     def close(self) -> None:
@@ -656,7 +658,7 @@ def main(argv: list[str] | None = None) -> int:
         # The ranks leave together: a rank whose peer already closed its connections would see
         # any collective still pending with that peer fail.
         dist_utils.barrier()
-        if trainer.stop.requested and trainer.dist.is_main:
+        if trainer.stopped and trainer.dist.is_main:
             ckpt = trainer.checkpointer
             saved = ckpt.step_dir(trainer.step) if ckpt.enabled else None
             logger.info("%s", exits.stopped_line(trainer.stop.received, trainer.step, saved, argv, cfg))
