@@ -7,6 +7,9 @@ TITAN_THD_TEST_FAULT; the product has no fault hooks.
                                               of step STEP
     TITAN_THD_TEST_FAULT=hang_in_save:STEP     every rank hangs in the save of step STEP, after its
                                               shards are written (prints "inside save")
+    TITAN_THD_TEST_FAULT=note_finalization     a trainer process whose interpreter finalizes says
+                                              so ("trainer finalized"); the trainer ends with
+                                              os._exit, which skips finalization (titan_thd/exits.py)
 """
 
 import os
@@ -49,11 +52,24 @@ def _hang_in_save(step: int) -> None:
     dcp.FileSystemWriter.write_data = slow_write_data
 
 
+def _note_finalization() -> None:
+    import atexit
+    import sys
+
+    def note() -> None:
+        if sys.argv[0].endswith(os.path.join("titan_thd", "train.py")):
+            print("trainer finalized", file=sys.stderr, flush=True)
+
+    atexit.register(note)
+
+
 if FAULT:
     kind, *params = FAULT.split(":")
     if kind == "raise" and "RANK" in os.environ:  # torchrun's ranks only
         _raise(params[0], int(params[1]), int(params[2]))
     elif kind == "hang_in_save":
         _hang_in_save(int(params[0]))
+    elif kind == "note_finalization":
+        _note_finalization()
     elif kind != "raise":
         raise ValueError(f"TITAN_THD_TEST_FAULT = {FAULT!r}: unknown fault {kind!r}")
