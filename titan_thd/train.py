@@ -655,8 +655,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         trainer = Trainer(cfg)
         trainer.train()
-        # The ranks leave together: a rank whose peer already closed its connections would see
-        # any collective still pending with that peer fail.
+        # The ranks leave together: a rank's exit closes its connections, and gloo can fail an
+        # operation that a slower peer still has to post with it.
         dist_utils.barrier()
         if trainer.stopped and trainer.dist.is_main:
             ckpt = trainer.checkpointer
