@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, NoReturn
 import torch.distributed as dist
 
 from titan_thd.components.checkpoint import CheckpointError
+from titan_thd.launcher import ERROR_FILE_KEY, LAUNCHER_ENV
 
 if TYPE_CHECKING:
     from titan_thd.config import Config
@@ -70,12 +71,6 @@ INTERRUPTED = 130
 """Exit code of a run that Ctrl-C ended before its first step (128 + SIGINT, as a shell reports it)."""
 DEBUG_ENV = "TITAN_THD_DEBUG"
 """Environment variable: `TITAN_THD_DEBUG=1` shows the traceback of user errors too."""
-LAUNCHER_ENV = "TITAN_THD_LAUNCHER"
-"""Set (to 1) by titan_thd.launcher for its ranks: the launcher prints a failing rank's one line."""
-ERROR_FILE_KEY = "titan_thd"
-"""The key of this project's entry in a torchrun error file: {"code", "rank", "cause", "crash"}
-(cause: the rank that failed first, this rank itself unless it failed because that one did; crash:
-that failure was a bug, whose traceback torchrun's report shows)."""
 
 
 def debug_enabled() -> bool:

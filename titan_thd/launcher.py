@@ -34,8 +34,14 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.run import parse_args, run
 
-from titan_thd.exits import ERROR_FILE_KEY, LAUNCHER_ENV
 from titan_thd.parallel.distributed import die_with_parent
+
+LAUNCHER_ENV = "TITAN_THD_LAUNCHER"
+"""Set (to 1) by the launcher for its ranks: the launcher prints a failing rank's one line."""
+ERROR_FILE_KEY = "titan_thd"
+"""The key of this project's entry in a torchrun error file (titan_thd/exits.py writes it):
+{"code", "rank", "cause", "crash"} (cause: the rank that failed first, this rank itself unless it
+failed because that one did; crash: that failure was a bug, whose traceback torchrun's report shows)."""
 
 
 def reported_failure(failures: dict[int, ProcessFailure]) -> tuple[str, int] | None:
