@@ -137,6 +137,8 @@ def test_stop_signal_saves_and_exits_zero(run20, tmp_path, ngpu, how):
         str(tmp_path),
         "--metrics.enable_tensorboard",
         "false",
+        "--metrics.peak_tflops",
+        "1",  # no matmul peak measurement: it only feeds the MFU
     ]
     proc = start(common, ngpu, PYTHONPATH=str(FAULTS), TITAN_THD_TEST_FAULT="note_finalization")
     lines: list[str] = []
@@ -185,8 +187,10 @@ def test_stop_signal_saves_and_exits_zero(run20, tmp_path, ngpu, how):
 def test_second_ctrl_c_aborts_at_once(tmp_path, ngpu):
     """The second Ctrl-C ends the run at once, in the middle of a save that would never end (a
     fault), with exit code 130 and one line, no traceback, no rank left running, nothing saved."""
-    args = ["--config", CONFIG, *SMALL, "--training.steps", "20", "--checkpoint.enable", "true"]
-    args += ["--checkpoint.interval", "2", "--job.dump_folder", str(tmp_path)]
+    args = ["--config", CONFIG, "--data.source", "mock", "--data.num_samples", "64", "--training.steps", "20"]
+    args += ["--training.global_batch_size", "2", "--training.tokens_per_microbatch", "256"]
+    args += ["--metrics.peak_tflops", "1", "--metrics.enable_tensorboard", "false"]
+    args += ["--checkpoint.enable", "true", "--checkpoint.interval", "2", "--job.dump_folder", str(tmp_path)]
     proc = start(args, ngpu, PYTHONPATH=str(FAULTS), TITAN_THD_TEST_FAULT="hang_in_save:2")
     lines: list[str] = []
     try:
