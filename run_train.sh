@@ -23,8 +23,11 @@
 #   global rank 0, which writes the metrics, need not be on node 0, so job.dump_folder belongs
 #   on a filesystem all nodes share (as the checkpoint shards of all ranks do anyway).
 # SIGTERM (kill -TERM <pid of run_train.sh>, or to every process of it as SLURM signals a job
-# step): every rank finishes its step, saves a checkpoint (with checkpoint.enable) and the run
-# exits 0.
+# step) and Ctrl-C: every rank finishes its step, saves a checkpoint (with checkpoint.enable) and
+# the run exits 0, with a line naming the checkpoint and the command that resumes from it. A second
+# Ctrl-C aborts at once (exit code 130).
+# A failure ends with one `error: ...` line (exit code 2: bad input; 1: the run failed, e.g. a save);
+# a crash (a bug) with its traceback.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 
@@ -133,28 +136,39 @@ fi
 # (torchrun's --node-rank only applies to its static rendezvous.)
 is_host=false
 if ((NODE_RANK == 0)); then is_host=true; fi
-# torchrun answers a SIGTERM of its own by killing its ranks after a 30 s grace and exiting 1, and
-# SLURM signals every process of a job step, torchrun included. So torchrun runs with SIGTERM
-# caught and dropped (a Python handler, unlike an ignored signal, does not pass on to the ranks)
-# and stops on SIGINT instead, also before its ranks exist (a background job ignores SIGINT).
-torchrun=("$VENV/bin/python" -c 'import signal, sys
-from torch.distributed.run import main
-signal.signal(signal.SIGTERM, lambda *_: None)
-signal.signal(signal.SIGINT, lambda *_: sys.exit(130))
-sys.argv[0] = "torchrun"
-sys.exit(main())')
-"${torchrun[@]}" --signals-to-handle SIGINT,SIGHUP,SIGQUIT --nnodes="$NNODES" --nproc-per-node="$NGPU" \
+# torchrun runs in titan_thd/launcher.py: in a session of its own (the terminal's signals reach this
+# script only, which routes them below), with SIGTERM caught and dropped (torchrun would kill its
+# ranks after a 30 s grace), and a failing rank's one `error:` line instead of torchrun's report.
+"$VENV/bin/python" -m titan_thd.launcher --nnodes="$NNODES" --nproc-per-node="$NGPU" \
   --rdzv-backend c10d --rdzv-endpoint="$RDZV_ENDPOINT" --rdzv-id="$RDZV_ID" --rdzv-conf="is_host=$is_host" \
   --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
   -m titan_thd.train --job.config_file "$config_file" "${args[@]}" &
 launcher=$!
-# SIGTERM goes to the ranks (torchrun's children), not to torchrun: each rank finishes its step,
+# SIGTERM goes to the ranks (the launcher's children), not to torchrun: each rank finishes its step,
 # saves a checkpoint and exits 0, and torchrun then exits 0 too. Before the ranks exist there is
-# nothing to save: then torchrun gets SIGINT and stops.
+# nothing to save: then the launcher gets SIGINT and stops.
 trap 'pkill -TERM -P "$launcher" || kill -INT "$launcher" 2>/dev/null || true' TERM
+# Ctrl-C: the first one does what SIGTERM does; a second one kills the ranks at once (a rank waiting
+# in a collective would only see a signal once the collective returns).
+interrupts=0
+on_interrupt() {
+  interrupts=$((interrupts + 1))
+  if ((interrupts > 1)); then
+    pkill -KILL -P "$launcher" || true
+    kill -KILL "$launcher" 2>/dev/null || true
+    echo "aborted by a second Ctrl-C: the ranks were killed; nothing saved after the last checkpoint" >&2
+    exit 130
+  fi
+  # (no bare `return` in a trap: it returns the interrupted `wait`'s status, which set -e exits on)
+  pkill -INT -P "$launcher" || kill -INT "$launcher" 2>/dev/null || true
+}
+trap on_interrupt INT
+# The terminal's hangup and Ctrl-\ reach the launcher through here too (torchrun stops its ranks).
+trap 'kill -HUP "$launcher" 2>/dev/null || true' HUP
+trap 'kill -QUIT "$launcher" 2>/dev/null || true' QUIT
 status=0
 wait "$launcher" || status=$?
-while kill -0 "$launcher" 2>/dev/null; do # `wait` returns early when the trap runs
+while kill -0 "$launcher" 2>/dev/null; do # `wait` returns early when a trap runs
   status=0
   wait "$launcher" || status=$?
 done

@@ -357,10 +357,7 @@ def preflight(cfg: Config) -> None:
             states={},
             fingerprint=model_fingerprint([model], model=cfg.model.name, flavor=cfg.model.flavor),
         )
-        try:
-            checkpointer.check_resumable()
-        finally:
-            checkpointer.close()
+        checkpointer.check_resumable()
     logger.info("preflight: inputs of a %d-process run are fine", inputs.dims.world_size)
 
 

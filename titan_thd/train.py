@@ -26,7 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from titan_thd.components.checkpoint import CheckpointError, CheckpointManager, model_fingerprint
+from titan_thd import exits
+from titan_thd.components.checkpoint import CheckpointManager, model_fingerprint
 from titan_thd.components.dry_run import fake_step_fits
 from titan_thd.components.lr_scheduler import LRSchedulersContainer
 from titan_thd.components.metrics import MetricsLogger, StepTimer, peak_tflops_per_rank, step_metrics
@@ -37,6 +38,7 @@ from titan_thd.components.optimizer import (
     default_matrix_params,
 )
 from titan_thd.components.run_header import header_lines
+from titan_thd.components.signals import StopSignal
 from titan_thd.components.validation import Validator
 from titan_thd.config import Config, help_text, load_config, to_toml
 from titan_thd.data.batch_meta import BatchMeta, CPContext
@@ -83,6 +85,7 @@ class Trainer:
     # ---- runtime
     metrics: MetricsLogger
     checkpointer: CheckpointManager
+    stop: StopSignal
     peak_tflops: float
     # ---- training state (checkpointed as "train_state")
     step: int
@@ -157,6 +160,8 @@ class Trainer:
             states={"train_state": self, "dataloader": self.dataloader},
             fingerprint=fingerprint,
         )
+        self.stop = StopSignal(announce=self.dist.is_main)  # SIGTERM, Ctrl-C: installed by train()
+        self.stopped = False  # whether a stop signal (to any rank) ended train() early
         # Only one rank writes metrics; it measures the MFU peak while the others wait.
         self.peak_tflops = 0.0
         if self.dist.is_main:
@@ -279,6 +284,7 @@ class Trainer:
     def train(self) -> None:
         if self.dist.fake and not self._fake_step_fits():
             return
+        self.stop.install()
         self.checkpointer.load()  # restores self.step / tokens_seen / the data position
         start = time.perf_counter()
         while self.step < self.cfg.training.steps:
@@ -292,15 +298,16 @@ class Trainer:
             result |= self.validate()
             self.log(step_batch, result, now - t0, now - start)
             self.checkpointer.save(self.step, force=self.step == self.cfg.training.steps)
-            if self.checkpointer.should_stop():
+            # Every rank stops after the same step, whichever ranks the signal reached.
+            if dist_utils.any_rank(self.stop.requested):
                 self.checkpointer.save(self.step, force=True)
-                logger.info("stopped by signal after step %d", self.step)
+                self.stopped = True
                 break
 
     def close(self) -> None:
-        """Flush the metrics and restore the signal handler (the process group stays up: main() ends it)."""
+        """Flush the metrics and restore the signal handlers (the process group stays up: main() ends it)."""
         self.metrics.close()
-        self.checkpointer.close()
+        self.stop.restore()
 
     # ------------------------------------------------------------------ helpers
     def _token_stores(self):
@@ -409,27 +416,6 @@ def progress_line(step: int, last_step: int, recent_step_times: collections.abc.
     )
 
 
-# What bad input raises (a wrong value, a missing or unreadable file): main() prints it as one
-# `error:` line and exits with 2; anything else is a bug and keeps its traceback.
-USER_ERRORS = (
-    ValueError,
-    FileNotFoundError,
-    FileExistsError,
-    IsADirectoryError,
-    NotADirectoryError,
-    PermissionError,
-)
-# What stops a run that started well: a save that failed on some rank (full disk), a non-finite
-# loss or gradient. The messages say what was kept; exit code 1.
-RUN_FAILURES = (CheckpointError, FloatingPointError)
-DEBUG_ENV = "TITAN_THD_DEBUG"
-"""Environment variable: `TITAN_THD_DEBUG=1` shows the traceback of user errors too."""
-
-
-def debug_enabled() -> bool:
-    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
-
-
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `python -m titan_thd.train` (what run_train.sh launches on every rank)."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -450,19 +436,20 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         trainer = Trainer(cfg)
         trainer.train()
-        # A rank that finished its last collective may not leave before the others have too:
-        # tearing the process group down under a peer's pending receive aborts that peer.
+        # The ranks leave together: a rank's exit closes its connections, and gloo can fail an
+        # operation that a slower peer still has to post with it.
         dist_utils.barrier()
-    except USER_ERRORS as e:  # the message says what to fix, a traceback would not
-        if debug_enabled():
-            raise
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except RUN_FAILURES as e:  # the run itself failed (a save, a diverging step): said in one line too
-        if debug_enabled():
-            raise
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        if trainer.stopped and trainer.dist.is_main:
+            ckpt = trainer.checkpointer
+            saved = ckpt.step_dir(trainer.step) if ckpt.enabled else None
+            logger.info("%s", exits.stopped_line(trainer.stop.received, trainer.step, saved, argv, cfg))
+    except KeyboardInterrupt:  # Ctrl-C before the training loop, whose handler stops after a step
+        return exits.report("stopped by Ctrl-C before the first step: nothing to save", exits.INTERRUPTED)
+    except Exception as e:
+        code = exits.failure_code(e)
+        if code is None:
+            raise  # a bug: its traceback
+        return code
     finally:
         if trainer is not None:
             trainer.close()
@@ -471,4 +458,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exits.run_main(main)

@@ -1,6 +1,7 @@
 """Subprocess body for the checkpoint crash / signal tests (run with `python -m`).
 
 python -m tests.components._ckpt_worker sigterm DUMP       # train until SIGTERM, save, exit 0
+                                                           # (the stop signal as the Trainer owns it)
 python -m tests.components._ckpt_worker kill_in_save DUMP  # save step 1, hang inside step 2's save
 """
 
@@ -15,7 +16,9 @@ from torch import nn
 
 from titan_thd.components.checkpoint import CheckpointManager, model_fingerprint
 from titan_thd.components.optimizer import OptimizersContainer
+from titan_thd.components.signals import StopSignal
 from titan_thd.config import Checkpoint
+from titan_thd.parallel.distributed import any_rank
 
 
 class TrainState:
@@ -64,14 +67,16 @@ def main(mode, dump):
     state = TrainState()
     mgr = manager(dump, model, opt, sched, state, interval=1000)
     if mode == "sigterm":
+        stop = StopSignal()
+        stop.install()
         while True:
             state.step += 1
             train_step(model, opt, sched, state.step)
             print(f"step {state.step}", flush=True)
             time.sleep(0.05)
-            if mgr.should_stop():
+            if any_rank(stop.requested):
                 mgr.save(state.step, force=True)
-                mgr.close()
+                stop.restore()
                 print(f"stopped at {state.step}", flush=True)
                 return
     assert mode == "kill_in_save", mode

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.e2e.test_train_cli import FAULTS
 from tests.e2e.test_train_cli import run_train as e2e_run_train
 from titan_thd.train import main
 
@@ -589,3 +590,50 @@ def test_run_train_debug_switch(case_dir: Path):
     assert "Traceback (most recent call last)" in proc.stderr
     last = proc.stderr.rstrip().splitlines()[-1]
     assert last.startswith(f"ValueError: {case_dir}/a.jsonl:2: messages[1].role: unknown role 'narrator'")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "fault, code, line",
+    [
+        ("raise:ValueError:2:1", 2, "error: test fault: ValueError on rank 1 at step 2"),
+        pytest.param(  # the same path with exit code 1 (exits.py's unit tests cover the codes)
+            "raise:CheckpointError:2:0",
+            1,
+            "error: test fault: CheckpointError on rank 0 at step 2",
+            marks=pytest.mark.extended,
+        ),
+    ],
+    ids=["user error on rank 1", "run failure on rank 0"],
+)
+def test_a_rank_that_fails_mid_run_is_one_line(case_dir: Path, fault: str, code: int, line: str):
+    """NGPU=2, an error that only one rank meets, after start-up (a test fault at step 2): the console
+    shows that rank's one line, last, and its exit code; no traceback, neither of that rank nor of
+    the other one (which loses its peer in a collective), and no torchrun failure report."""
+    args = ["--config", str(ROOT / "train_configs" / "debug_dense_thd.toml")] + [
+        _format(a, case_dir) for a in BASE
+    ]
+    env = {"NGPU": "2", "PYTHONPATH": str(FAULTS), "TITAN_THD_TEST_FAULT": fault}
+    proc = run_train([*args, "--training.steps", "3"], env)
+    both = proc.stdout + proc.stderr
+    assert proc.returncode == code, both[-3000:]
+    assert "Traceback" not in both and "FAILED" not in both and "exitcode" not in both, both[-3000:]
+    assert proc.stderr.rstrip("\n").splitlines()[-1] == line, both[-3000:]
+    assert both.count("error: ") == 1, both[-3000:]
+
+
+@pytest.mark.slow
+def test_a_rank_that_crashes_mid_run_keeps_its_traceback(case_dir: Path):
+    """A bug on rank 1 (not the rank shown): torchrun's report with rank 1's traceback; rank 0, which
+    lost its peer, adds one line instead of its own traceback of the lost connection."""
+    args = ["--config", str(ROOT / "train_configs" / "debug_dense_thd.toml")] + [
+        _format(a, case_dir) for a in BASE
+    ]
+    env = {"NGPU": "2", "PYTHONPATH": str(FAULTS), "TITAN_THD_TEST_FAULT": "raise:KeyError:2:1"}
+    proc = run_train([*args, "--training.steps", "3"], env)
+    assert proc.returncode == 1, (proc.stdout + proc.stderr)[-3000:]
+    err = proc.stderr
+    assert "Traceback (most recent call last)" in err and "in failing_next" in err, err[-3000:]
+    assert "KeyError: 'test fault: KeyError on rank 1 at step 2'" in err
+    assert "traceback : rank 1 crashed: KeyError" in err  # rank 0's entry of the report
+    assert err.count("Traceback (most recent call last)") == 1, err[-5000:]

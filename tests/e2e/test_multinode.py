@@ -174,7 +174,7 @@ def test_sigterm_to_every_process_of_both_nodes_saves_and_exits_zero(one_node, c
         os.kill(pid, signal.SIGTERM)
     out = wait_all([node0, node1], logs)
     assert "Traceback" not in out and "SignalException" not in out, out[-6000:]
-    stopped = int(re.search(r"stopped by signal after step (\d+)", out).group(1))
+    stopped = int(re.search(r"stopped by SIGTERM after step (\d+)", out).group(1))
     assert 1 <= stopped < 20
     assert sorted(p.name for p in (dump / "checkpoint").iterdir()) == [f"step-{stopped}"]
     got = records(dump)

@@ -1,13 +1,16 @@
-"""End to end through ./run_train.sh: a real 20-step run whose loss falls; SIGTERM to 1- and
-2-rank runs (checkpoint, exit 0, the same losses, resume); fake-process-group dry runs with the
-memory estimate; the user errors of the launcher."""
+"""End to end through ./run_train.sh: a real 20-step run whose loss falls; SIGTERM and Ctrl-C to 1- and
+2-rank runs (checkpoint, exit 0, the same losses, the printed command resumes) and a second Ctrl-C
+(exit 130 at once); fake-process-group dry runs with the memory estimate; the user errors of the
+launcher."""
 
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -77,24 +80,47 @@ def test_twenty_steps_loss_falls_and_outputs_exist(run20):
     assert "step    20  loss" in proc.stdout + proc.stderr  # console line of the last step
 
 
-def stop_with_sigterm(proc: subprocess.Popen, after_step: int) -> str:
-    """Send SIGTERM to run_train.sh once step `after_step` is logged; the whole output."""
-    lines = []
+FAULTS = ROOT / "tests" / "e2e" / "faults"
+"""On PYTHONPATH with TITAN_THD_TEST_FAULT set, its sitecustomize.py patches a fault into every
+process that run_train.sh starts."""
+
+
+def ctrl_c(proc: subprocess.Popen) -> None:
+    """What a terminal does on Ctrl-C: SIGINT to the foreground process group (the one of
+    run_train.sh, started with start_new_session)."""
+    os.killpg(proc.pid, signal.SIGINT)
+
+
+def start(args: list[str], ngpu: str, **env: str) -> subprocess.Popen:
+    """./run_train.sh in a session of its own (as a terminal runs a command), output merged."""
+    return subprocess.Popen(
+        ["./run_train.sh", *args],
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "NGPU": ngpu, **env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def read_until(proc: subprocess.Popen, pattern: str, lines: list[str]) -> None:
+    """Read `proc`'s output into `lines` up to a line that matches `pattern`."""
     for line in proc.stdout:
         lines.append(line)
-        if re.search(rf"step +{after_step} +loss", line):
-            proc.send_signal(signal.SIGTERM)
-            break
-    rest, _ = proc.communicate(timeout=300)
-    return "".join(lines) + rest
+        if re.search(pattern, line):
+            return
+    raise AssertionError(f"no line matching {pattern!r}:\n" + "".join(lines)[-3000:])
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ngpu", ["1", "2"])
-def test_sigterm_to_run_train_saves_and_exits_zero(run20, tmp_path, ngpu):
-    """`kill -TERM <run_train.sh>` mid-run: the ranks finish the step, save it, and the run exits 0
-    (NGPU=2: torchrun is not signalled, so it neither fails nor kills ranks still saving). The
-    steps reproduce the 1-rank run; one process then resumes and continues it."""
+@pytest.mark.parametrize("ngpu, how", [("1", "SIGTERM"), ("2", "SIGTERM"), ("1", "Ctrl-C"), ("2", "Ctrl-C")])
+def test_stop_signal_saves_and_exits_zero(run20, tmp_path, ngpu, how):
+    """`kill -TERM <run_train.sh>` or Ctrl-C mid-run: the ranks finish the step, save it, and the
+    run exits 0 with one line naming the checkpoint and the command that resumes from it (NGPU=2:
+    torchrun is not signalled, so it neither fails nor kills ranks still saving). The steps
+    reproduce the 1-rank run; the printed command is the run's own, and (one process, Ctrl-C) it
+    resumes and continues the run bitwise."""
     common = [
         "--config",
         CONFIG,
@@ -111,20 +137,30 @@ def test_sigterm_to_run_train_saves_and_exits_zero(run20, tmp_path, ngpu):
         str(tmp_path),
         "--metrics.enable_tensorboard",
         "false",
+        "--metrics.peak_tflops",
+        "1",  # no matmul peak measurement: it only feeds the MFU
     ]
-    proc = subprocess.Popen(
-        ["./run_train.sh", *common],
-        cwd=ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "NGPU": ngpu},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    out = stop_with_sigterm(proc, after_step=2)
+    proc = start(common, ngpu, PYTHONPATH=str(FAULTS), TITAN_THD_TEST_FAULT="note_finalization")
+    lines: list[str] = []
+    read_until(proc, r"step +2 +loss", lines)
+    if how == "SIGTERM":
+        proc.send_signal(signal.SIGTERM)
+    else:
+        ctrl_c(proc)
+    out = "".join(lines) + proc.communicate(timeout=300)[0]
     assert proc.returncode == 0, out[-3000:]
     assert "Traceback" not in out and "SignalException" not in out, out[-3000:]
-    stopped = int(re.search(r"stopped by signal after step (\d+)", out).group(1))
+    # No rank finalizes its interpreter, where a gloo worker thread could abort it (exits.py).
+    assert "trainer finalized" not in out
+    name = "SIGTERM" if how == "SIGTERM" else "SIGINT"
+    line = re.search(rf"stopped by {name} after step (\d+): checkpoint (\S+); resume with: (.+)", out)
+    assert line, out[-3000:]
+    stopped = int(line.group(1))
     assert 2 <= stopped < 20
+    assert line.group(2) == str(tmp_path / "checkpoint" / f"step-{stopped}")
+    resume = shlex.split(line.group(3))
+    prefix = [f"NGPU={ngpu}"] if ngpu != "1" else []
+    assert resume == [*prefix, "./run_train.sh", *common], resume  # the same command resumes
     assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == [f"step-{stopped}"]
     one, got = records(run20[0]), records(tmp_path)
     assert [r["step"] for r in got] == list(range(1, stopped + 1))
@@ -135,14 +171,45 @@ def test_sigterm_to_run_train_saves_and_exits_zero(run20, tmp_path, ngpu):
         # (2 ranks sum in another order; DP parity in float64 is test_train_layouts.py's subject)
     if ngpu == "2":
         assert "[rank1]" not in out  # LOG_RANK defaults to rank 0 only
+    if (ngpu, how) != ("1", "Ctrl-C"):  # one resume is enough (the command is the same for all)
         return
-    proc = run_train(*common, "--training.steps", str(stopped + 2))  # the last value of a key wins
+    proc = run_train(*resume[1:], "--training.steps", str(stopped + 2))  # the last value of a key wins
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert f"checkpoint: resumed from {tmp_path / 'checkpoint' / f'step-{stopped}'}" in proc.stderr
     resumed = records(tmp_path)
     assert [r["step"] for r in resumed] == list(range(1, stopped + 3))
     for a, b in zip(one, resumed):  # resume is bitwise
         assert (b["loss"], b["lr"]) == (a["loss"], a["lr"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ngpu", ["1", "2"])
+def test_second_ctrl_c_aborts_at_once(tmp_path, ngpu):
+    """The second Ctrl-C ends the run at once, in the middle of a save that would never end (a
+    fault), with exit code 130 and one line, no traceback, no rank left running, nothing saved."""
+    args = ["--config", CONFIG, "--data.source", "mock", "--data.num_samples", "64", "--training.steps", "20"]
+    args += ["--training.global_batch_size", "2", "--training.tokens_per_microbatch", "256"]
+    args += ["--metrics.peak_tflops", "1", "--metrics.enable_tensorboard", "false"]
+    args += ["--checkpoint.enable", "true", "--checkpoint.interval", "2", "--job.dump_folder", str(tmp_path)]
+    proc = start(args, ngpu, PYTHONPATH=str(FAULTS), TITAN_THD_TEST_FAULT="hang_in_save:2")
+    lines: list[str] = []
+    try:
+        read_until(proc, "inside save", lines)
+        ctrl_c(proc)
+        read_until(proc, r"stop requested \(SIGINT\).*Ctrl-C again aborts at once", lines)
+        ctrl_c(proc)
+        out = "".join(lines) + proc.communicate(timeout=60)[0]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, out[-3000:]
+    assert out.rstrip().splitlines()[-1].startswith("aborted by a second Ctrl-C"), out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    assert not (tmp_path / "checkpoint" / "step-2").exists()
+    deadline = time.monotonic() + 60  # the ranks die with their launcher (SIGKILL, asynchronous)
+    while subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True).returncode == 0:
+        assert time.monotonic() < deadline, "a rank outlived the aborted run"
+        time.sleep(0.1)
 
 
 def params_per_rank(log: str) -> tuple[int, int]:

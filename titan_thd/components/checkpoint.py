@@ -35,9 +35,6 @@ would resume too, but re-saving that step later replaces the damaged folder).
 Failures while saving (a full disk, an I/O error on any rank) raise `CheckpointError` on every
 rank with the checkpoint path and the error (`[Errno 28] No space left on device: ...`): the
 `.tmp` folder is removed (it never becomes `step-N`) and the complete checkpoints stay.
-
-Stopping: the manager installs a SIGTERM handler (`components/signals.py`); the trainer calls
-`should_stop()` after each step, then `save(step, force=True)` and exits with code 0.
 """
 
 from __future__ import annotations
@@ -66,7 +63,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 
-from titan_thd.components.signals import StopSignal
 from titan_thd.parallel import distributed
 
 if TYPE_CHECKING:  # annotations only: config imports the modules that own its choice lists
@@ -242,9 +238,6 @@ class CheckpointManager:
         if cfg.enable and not self.enabled:
             logger.warning("checkpoint: disabled in a fake-process-group dry run (DCP needs real processes)")
         self._last_saved = -1
-        self._stop = StopSignal()
-        self._stop.install()
-        self._stop_reported = False
 
     # ------------------------------------------------------------------ folder
     def step_dir(self, step: int) -> Path:
@@ -279,7 +272,7 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ save
     def save(self, step: int, force: bool = False) -> None:
-        """Save at multiples of `checkpoint.interval`, or now when `force` (final step, SIGTERM)."""
+        """Save at multiples of `checkpoint.interval`, or now when `force` (final step, a stop signal)."""
         if not self.enabled or step == self._last_saved or (not force and step % self.cfg.interval):
             return
         start = time.perf_counter()
@@ -519,18 +512,3 @@ class CheckpointManager:
         self._last_saved = step
         logger.info("checkpoint: resumed from %s in %.2f s", path, time.perf_counter() - start)
         return step
-
-    # ------------------------------------------------------------------ stop / close
-    def should_stop(self) -> bool:
-        """True on every rank once any rank received SIGTERM (call after each step)."""
-        stop = distributed.any_rank(self._stop.requested)
-        if stop and not self._stop_reported:
-            self._stop_reported = True
-            logger.warning(
-                "checkpoint: stop requested (%s): saving and exiting after this step",
-                self._stop.received.name if self._stop.received else "signal on another rank",
-            )
-        return stop
-
-    def close(self) -> None:
-        self._stop.restore()

@@ -64,20 +64,26 @@ def select_device(local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+def die_with_parent() -> None:
+    """Linux: this process is SIGKILLed when its parent dies (PR_SET_PDEATHSIG)."""
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
+    if os.getppid() != parent:  # the parent died before the call: nobody will send the signal
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def die_with_launcher() -> None:
-    """Under torchrun (Linux): this rank is SIGKILLed when torchrun dies.
+    """Under torchrun: this rank is SIGKILLed when torchrun dies.
 
     torchrun starts every rank in a session of its own, so a SIGKILL of torchrun (or of its
     process group) used to leave the ranks training on, writing checkpoints and metrics into the
     folder that the next run resumes from (measured: scripts/fault_injection.py).
     """
-    parent = os.getppid()
-    if not sys.platform.startswith("linux") or "TORCHELASTIC_RUN_ID" not in os.environ:
-        return
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
-    if os.getppid() != parent:  # torchrun died before the call: nobody will send the signal
-        os.kill(os.getpid(), signal.SIGKILL)
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        die_with_parent()
 
 
 def init_distributed(comm: Comm) -> DistInfo:
