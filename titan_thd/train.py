@@ -48,6 +48,7 @@ from titan_thd.data.dataloader import StepBatch, THDDataLoader, build_dataloader
 from titan_thd.data.packed_batch import PackedBatch
 from titan_thd.data.token_store import build_token_store
 from titan_thd.data.tokenizer import Tokenizer
+from titan_thd.inference.evaluation import TrainingEvaluator
 from titan_thd.inputs import (
     attention_cost_weight,
     check_inputs,
@@ -83,6 +84,7 @@ class Trainer:
     tokenizer: Tokenizer
     dataloader: THDDataLoader
     validator: Validator | None
+    evaluator: TrainingEvaluator | None
     # ---- model and optimisation
     model: nn.Module
     optimizers: OptimizersContainer
@@ -106,6 +108,11 @@ class Trainer:
         init_from_hf = self.spec.init_from_hf
         pp_layers = pipeline_stage_layers(cfg, self.model_args)  # None without pipeline parallelism
         self.pp_layers = pp_layers
+        self.evaluator = (  # answer accuracy on held-out chat problems (titan_thd/inference/evaluation.py)
+            TrainingEvaluator(cfg.evaluation, t.steps, self.tokenizer, t.tokens_per_microbatch)
+            if cfg.evaluation.enable
+            else None
+        )
 
         self.dist = dist_utils.init_distributed(cfg.comm)
         if t.deterministic:
@@ -370,6 +377,9 @@ class Trainer:
             self.tokens_seen += step_batch.real_tokens
             now = time.perf_counter()
             result |= self.validate()
+            if self.evaluator is not None and self.evaluator.due(self.step):
+                build = lambda: self.spec.build(self.model_args)  # noqa: E731
+                result |= self.evaluator.run(self.model, build, self.dist.device)
             self.log(step_batch, result, now - t0, now - start)
             self.checkpointer.save(self.step, force=self.step == self.cfg.training.steps)
             if self.checkpointer.should_stop():

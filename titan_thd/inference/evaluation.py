@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -44,6 +45,7 @@ from titan_thd.inference.loading import stop_ids
 from titan_thd.inference.sampling import Sampling
 
 HELDOUT = ASSETS_DIR / "chat_heldout.jsonl.gz"
+logger = logging.getLogger("titan_thd")
 
 
 def heldout_conversations(path: str | Path = HELDOUT, limit: int = 0) -> list[list[dict]]:
@@ -259,3 +261,66 @@ def evaluate(
                 result.samples.append((p.history[-1]["content"], reply, grade.exact))
     result.seconds = time.perf_counter() - t0
     return result
+
+
+# ============================================================================ during training
+class TrainingEvaluator:
+    """`[evaluation]` of a training run: every `freq` steps and after the last, the accuracy metrics.
+
+    Takes what it needs as arguments, not the trainer: the live model (sharded or not), a builder of a
+    whole single-process copy, the device. On one process the live model answers; on several, every
+    rank gathers the whole weights (FSDP / TP shards, get_model_state_dict(full_state_dict=True)) into
+    its own copy, answers 1/world of the conversations, and the counts are summed, so the metrics do
+    not depend on the layout (pipeline and expert parallelism are refused by the config check)."""
+
+    def __init__(self, cfg, last_step: int, tokenizer: Tokenizer, context: int):
+        self.freq, self.last_step, self.max_new_tokens = cfg.freq, last_step, cfg.max_new_tokens
+        self.tokenizer, self.context = tokenizer, context
+        self.conversations = heldout_conversations(cfg.path or HELDOUT, cfg.limit)
+
+    def due(self, step: int) -> bool:
+        return step % self.freq == 0 or step == self.last_step
+
+    def run(self, model: nn.Module, build_model, device: torch.device) -> dict[str, float]:
+        """val/* accuracy metrics of `model` now; every rank calls it (the values are global)."""
+        import torch.distributed as dist
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        conversations = self.conversations
+        if world > 1:
+            full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+            with torch.random.fork_rng(devices=[]):  # the copy's initialisation leaves the run's RNG alone
+                copy = build_model()
+            copy.load_state_dict({k.replace("_orig_mod.", ""): v for k, v in full.items()})
+            model = copy.to(device=device, dtype=next(model.parameters()).dtype)
+            conversations = conversations[rank::world]
+        result = evaluate(
+            model,
+            self.tokenizer,
+            conversations,
+            device=device,
+            context=self.context,
+            max_new_tokens=self.max_new_tokens,
+        )
+        if world > 1:
+            counts = result.counts().to(device)
+            dist.all_reduce(counts)
+            result.set_counts(counts.cpu())
+            seconds = torch.tensor([result.seconds], device=device)
+            dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+            result.seconds = float(seconds)
+        if rank == 0:
+            t = result.total
+            logger.info(
+                "evaluation: val/accuracy %.3f  val/format_accuracy %.3f  (%d problems of %d held-out "
+                "conversations, %d skipped, %.1f s)",
+                result.accuracy,
+                result.format_accuracy,
+                t.problems,
+                len(self.conversations),
+                t.skipped,
+                result.seconds,
+            )
+        return result.metrics("val/")
