@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
+from titan_thd.inference.loading import config_argv, load_model, one_line
 from titan_thd.models.dsv4 import build_dsv4, export_hf, flavors, load_hf
 from titan_thd.models.dsv4.hf_interop import args_from_hf_config
 
@@ -61,7 +62,6 @@ def to_dcp(hf_dir: Path, out: Path, flavor: str | None) -> None:
 
 def run_to_hf(src: Path, out: Path, config: str, overrides: list[str], dtype: str | None) -> None:
     """A trainer checkpoint with its run's config -> HF folder with the tokenizer files."""
-    from titan_thd.inference.loading import config_argv, load_model
     from titan_thd.models.llama import hf_interop as llama_hf
 
     loaded = load_model(config_argv(config) + overrides, src)
@@ -151,10 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: convert_hf.py needs {HF_EXTRA} ({e})", file=sys.stderr)
         return 1
     except (ValueError, FileNotFoundError) as e:
-        print(
-            "error: " + "; ".join(line.strip() for line in str(e).splitlines() if line.strip()),
-            file=sys.stderr,
-        )
+        print(f"error: {one_line(e)}", file=sys.stderr)
         return 1
     return 0
 

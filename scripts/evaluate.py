@@ -21,7 +21,7 @@ from pathlib import Path
 
 from titan_thd.inference.evaluation import HELDOUT, evaluate, heldout_conversations
 from titan_thd.inference.generate import DECODERS
-from titan_thd.inference.loading import config_argv, load_model
+from titan_thd.inference.loading import config_argv, load_model, one_line
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,10 +66,7 @@ def main(argv: list[str] | None = None) -> int:
             keep_samples=opts.samples,
         )
     except (ValueError, FileNotFoundError, IsADirectoryError, PermissionError) as e:
-        print(
-            "error: " + "; ".join(line.strip() for line in str(e).splitlines() if line.strip()),
-            file=sys.stderr,
-        )
+        print(f"error: {one_line(e)}", file=sys.stderr)
         return 2
     for question, reply, exact in result.samples:
         print(f"{'right' if exact else 'wrong'}: {question[:70]!r} -> {reply[-70:]!r}")

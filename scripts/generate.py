@@ -23,8 +23,8 @@ import json
 import sys
 from pathlib import Path
 
-from titan_thd.inference.generate import DECODERS, GenerationStats, generate
-from titan_thd.inference.loading import Loaded, config_argv, load_model
+from titan_thd.inference.generate import DECODERS, GenerationStats
+from titan_thd.inference.loading import Loaded, config_argv, load_model, one_line
 from titan_thd.inference.sampling import Sampling
 
 
@@ -72,20 +72,11 @@ def read_chat(value: str) -> list[dict]:
 def run(
     loaded: Loaded, opts: argparse.Namespace, prompts: list[list[int]], stats: GenerationStats
 ) -> list[str]:
-    tok = loaded.tokenizer
-    completions = generate(
-        loaded.model,
-        prompts,
-        max_new_tokens=opts.max_new_tokens,
-        stop_ids=loaded.stop_ids,
-        sampling=Sampling(opts.temperature, opts.top_k, opts.top_p, opts.seed),
-        vocab_size=tok.vocab_size,
-        context=loaded.context,
-        device=loaded.device,
-        decoder=opts.decoder,
-        stats=stats,
+    sampling = Sampling(opts.temperature, opts.top_k, opts.top_p, opts.seed)
+    completions = loaded.generate(
+        prompts, opts.max_new_tokens, sampling=sampling, decoder=opts.decoder, stats=stats
     )
-    return [tok.decode(c.text_ids(loaded.stop_ids)) for c in completions]
+    return [loaded.tokenizer.decode(c.text_ids(loaded.stop_ids)) for c in completions]
 
 
 def interactive(loaded: Loaded, opts: argparse.Namespace, stats: GenerationStats) -> None:
@@ -135,10 +126,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(text, flush=True)
         print(stats.line(), file=sys.stderr)
     except (ValueError, FileNotFoundError, IsADirectoryError, PermissionError) as e:
-        print(
-            "error: " + "; ".join(line.strip() for line in str(e).splitlines() if line.strip()),
-            file=sys.stderr,
-        )
+        print(f"error: {one_line(e)}", file=sys.stderr)
         return 2
     return 0
 

@@ -34,8 +34,10 @@ from titan_thd.config import Checkpoint, Config, Parallelism, load_config
 from titan_thd.data import deepseek_chat
 from titan_thd.data.chat_template import encode_prompt
 from titan_thd.data.tokenizer import END_OF_TURN, Tokenizer
+from titan_thd.inference.generate import Completion, generate
 from titan_thd.inputs import check_inputs
 from titan_thd.models.spec import ModelSpec, as_dtype
+from titan_thd.parallel.fsdp import build_on_meta
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "train_configs"
 
@@ -60,6 +62,18 @@ class Loaded:
     def chat_prompt(self, messages: list[dict]) -> list[int]:
         """Ids asking for the next assistant turn of `messages` in the run's chat template."""
         return encode_prompt(self.tokenizer, messages)
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, **kwargs) -> list[Completion]:
+        """generate.generate with this run's stop ids, tokenizer vocabulary, context and device."""
+        kwargs = {"stop_ids": self.stop_ids, "vocab_size": self.tokenizer.vocab_size, **kwargs}
+        return generate(
+            self.model,
+            prompts,
+            max_new_tokens=max_new_tokens,
+            context=self.context,
+            device=self.device,
+            **kwargs,
+        )
 
 
 def stop_ids(tokenizer: Tokenizer) -> set[int]:
@@ -129,12 +143,19 @@ def load_model(
             "no weights: give --checkpoint (RUN/checkpoint/step-N, or a run folder), --model.hf_path "
             "(a Hugging Face folder), or --untrained for the seeded initialisation"
         )
+    step_dir = None
+    if checkpoint is not None:  # refuse another model's checkpoint before building anything
+        step_dir = resolve_checkpoint(checkpoint, cfg.checkpoint.folder)
+        _checkpoint_manager(build_on_meta(lambda: spec.build(model_args)), step_dir, cfg).check_resumable()
     torch.manual_seed(cfg.training.seed)  # the trainer's initialisation (what --untrained evaluates)
     model = spec.build(model_args)
-    if checkpoint is not None:
-        step_dir = resolve_checkpoint(checkpoint, cfg.checkpoint.folder)
+    if step_dir is not None:
         model.to(as_dtype(cfg.training.dtype))
-        _load_checkpoint(model, step_dir, cfg)
+        manager = _checkpoint_manager(model, step_dir, cfg)
+        try:
+            manager.load()
+        finally:
+            manager.close()
         source = f"checkpoint {step_dir}"
     elif cfg.model.hf_path:
         spec.init_from_hf(model, cfg.model.hf_path)
@@ -148,16 +169,18 @@ def load_model(
     )
 
 
-def _load_checkpoint(model: nn.Module, step_dir: Path, cfg: Config) -> None:
-    """The model entries of a trainer checkpoint (the optimizer, data and schedule state stay on disk)."""
+def _checkpoint_manager(model: nn.Module, step_dir: Path, cfg: Config) -> CheckpointManager:
+    """A manager that loads only the model entries of a trainer checkpoint (the optimizer, data and
+    schedule state stay on disk), after checking its fingerprint and its files' CRC-32s."""
     if not (step_dir / "meta.json").is_file():
         raise ValueError(
             f"--checkpoint {step_dir}: no meta.json, so not a complete titan_thd trainer checkpoint (a folder "
             "written by scripts/convert_hf.py to-dcp converts back with to-hf and loads via --model.hf_path)"
         )
-    step = int(STEP_DIR.match(step_dir.name).group(1))
     manager = CheckpointManager(
-        Checkpoint(enable=True, folder=step_dir.parent.name, load_step=step),
+        Checkpoint(
+            enable=True, folder=step_dir.parent.name, load_step=int(STEP_DIR.match(step_dir.name).group(1))
+        ),
         str(step_dir.parent.parent),
         model_parts=[model],
         optimizers=[],
@@ -165,7 +188,14 @@ def _load_checkpoint(model: nn.Module, step_dir: Path, cfg: Config) -> None:
         states={},
         fingerprint=model_fingerprint([model], model=cfg.model.name, flavor=cfg.model.flavor),
     )
-    try:
-        manager.load()
-    finally:
-        manager.close()
+    manager.close()  # its SIGTERM handler is for training runs: restored right away
+    return manager
+
+
+def one_line(error: BaseException) -> str:
+    """A (possibly multi-line) error message as one line, for the `error:` line of the command lines."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    out = lines[0] if lines else type(error).__name__
+    for line in lines[1:]:
+        out += (" " if out.endswith(":") else "; ") + line
+    return out
