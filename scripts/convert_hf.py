@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             to_hf(opts.src, opts.out, opts.flavor, opts.hf_config, opts.dtype)
     except ModuleNotFoundError as e:
-        if e.name not in ("safetensors", "transformers"):
+        if (e.name or "").split(".")[0] not in ("safetensors", "transformers"):
             raise
         print(f"error: convert_hf.py needs {HF_EXTRA} ({e})", file=sys.stderr)
         return 1
