@@ -123,3 +123,20 @@ def test_layout_free_loading_keeps_the_weights(checkpoint):
     state = {"model": {k: torch.empty_like(v) for k, v in loaded.model.state_dict().items()}}
     dcp.load(state, checkpoint_id=checkpoint)
     assert all(torch.equal(v, state["model"][k]) for k, v in loaded.model.state_dict().items())
+
+
+def test_chat_and_interactive_continue_the_conversation(checkpoint, capsys, monkeypatch):
+    main = load_script("generate.py").main
+    base = ["--checkpoint", str(checkpoint), "--config", CONFIG, *MICRO, "--max_new_tokens", "8"]
+    chat = '[{"role": "user", "content": "What is 12 + 7?"}]'
+    assert main([*base, "--chat", chat]) == 0
+    reply = capsys.readouterr().out
+    assert main([*base, "--prompt", "What is 12 + 7?"]) == 0
+    assert capsys.readouterr().out == reply  # one user turn either way
+    lines = iter(["What is 12 + 7?", "Now add 5 to that.", ""])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    assert main([*base, "-i"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("assistant> ") == 2 and out.startswith("assistant> " + reply)
+    assert main([*base, "--chat", "[1, 2]"]) == 2
+    assert "error: --chat: expected a JSON list of {role, content} messages" in capsys.readouterr().err
