@@ -1,6 +1,7 @@
 """The README's Hugging Face round trip, run as written: train (the quick start with a checkpoint), install
 the hf extra, convert with the run's config, then the README's transformers snippet, whose greedy text must
-be what our own generation gives; and the dense model's conversion to LlamaForCausalLM.
+be what our own generation gives, as must the README's generate.py line (issue 26's command line); and the
+dense model's conversion to LlamaForCausalLM.
 
 The commands run in a scratch folder that holds `.venv` and `scripts` (links to this checkout), so that
 their relative paths (`outputs/...`) land there. One deviation: the training command gets
@@ -82,6 +83,13 @@ def test_readme_hf_round_trip_runs_as_written(scratch):
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # The README's generate.py line (the quick start's "Ask the trained model"): the same text.
+    ask = next(b for b in readme_blocks("bash") if "scripts/generate.py --checkpoint" in b)
+    ask = " ".join(ask.replace("\\\n", " ").split("\n")[1].split())
+    assert ask.startswith(
+        ".venv/bin/python scripts/generate.py --checkpoint outputs/dsv4_flash_thd/checkpoint/step-40"
+    )
+    ours = run(ask, scratch, step=2).stdout
     # Our own greedy generation of the same prompt and budget, special tokens dropped as the snippet does.
     loaded = load_model(
         config_argv("dsv4_flash_thd.toml"), scratch / "outputs/dsv4_flash_thd/checkpoint/step-2"
@@ -90,6 +98,7 @@ def test_readme_hf_round_trip_runs_as_written(scratch):
     (completion,) = loaded.generate([prompt], 24)
     text = loaded.tokenizer.decode(t for t in completion.tokens if t not in loaded.tokenizer.special_ids)
     assert proc.stdout == text + "\n"
+    assert ours == loaded.tokenizer.decode(completion.text_ids(loaded.stop_ids)) + "\n"
 
 
 @pytest.mark.slow

@@ -84,8 +84,9 @@ def stop_ids(tokenizer: Tokenizer) -> set[int]:
 
 
 def config_argv(config: str) -> list[str]:
-    """`--job.config_file PATH` for `config`: a path, or a name in train_configs/ (as run_train.sh)."""
-    for candidate in (Path(config), CONFIG_DIR / config):
+    """`--job.config_file PATH` for `config`: a path, a name in train_configs/ (as run_train.sh), or a
+    path relative to the checkout (`train_configs/X.toml` from another working directory)."""
+    for candidate in (Path(config), CONFIG_DIR / config, CONFIG_DIR.parent / config):
         if candidate.is_file():
             return ["--job.config_file", str(candidate)]
     names = ", ".join(sorted(p.name for p in CONFIG_DIR.glob("*.toml")))
