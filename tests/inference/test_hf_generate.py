@@ -133,3 +133,23 @@ def test_llama_exports_to_llama_for_causal_lm(tmp_path):
         torch.equal(a, b)
         for a, b in zip(model.state_dict().values(), back.state_dict().values(), strict=True)
     )
+
+
+def test_a_hugging_face_tokenizer_is_exported_with_the_tokens_the_trainer_added(tmp_path):
+    from tests.data.test_tokenizer import _train_bpe
+    from titan_thd.data.tokenizer import HFTokenizer
+    from titan_thd.models.hf_tokenizer import special_token_ids, write_tokenizer
+
+    ours = HFTokenizer(_train_bpe(tmp_path / "tokenizer.json", ["<s>", "</s>"]))
+    assert "<|end|>" in ours.added_tokens  # the trainer's chat markers, after the original ids
+    write_tokenizer(ours, tmp_path / "out", tmp_path / "tokenizer.json", context=256)
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
+    text = "what is 12 + 30? the answer is 42. héllo"
+    assert tok.encode(text, add_special_tokens=False) == ours.encode(text)
+    assert (tok.bos_token, tok.eos_token) == ("<s>", "</s>") and tok.model_max_length == 256
+    chat = [{"role": "user", "content": "what is 12 + 30?"}]
+    ids = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=True)[
+        "input_ids"
+    ]
+    assert ids == encode_prompt(ours, chat)
+    assert special_token_ids(ours)["eos_token_id"] == sorted({ours.special_id("<|end|>"), ours.eos_id})
