@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -127,7 +127,6 @@ class GenerationStats:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     steps: int = 0
-    extra: dict = field(default_factory=dict)
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -176,7 +175,7 @@ def generate(
             )
     budgets = [b if context is None else min(b, context - len(p)) for b, p in zip(requested, prompts)]
     if min(budgets) < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {min(budgets)}")
+        raise ValueError(f"max_new_tokens: got {min(requested)}, expected at least 1")
     was_training = model.training
     model.eval()
     dec = make_decoder(model, device, decoder) if isinstance(decoder, str) else decoder
