@@ -22,8 +22,9 @@ import torch
 from tests.models.dsv4._util import build, micro
 from titan_thd.data.chat_template import encode_prompt
 from titan_thd.data.tokenizer import ByteTokenizer
-from titan_thd.inference.generate import generate, packed_meta
+from titan_thd.inference.generate import generate
 from titan_thd.inference.loading import stop_ids
+from titan_thd.inference.packing import packed_meta
 from titan_thd.models.dsv4 import export_hf
 from titan_thd.models.llama import LlamaArgs, build_llama
 from titan_thd.models.llama import hf_interop as llama_hf

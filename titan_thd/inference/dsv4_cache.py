@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from titan_thd.inference.generate import last_rows, packed_meta
+from titan_thd.inference.packing import last_rows, packed_meta
 from titan_thd.models.dsv4.attention import Attention
 from titan_thd.models.dsv4.model import DSv4Model
 from titan_thd.models.dsv4.plans import BatchPlan, CompressPlan, rope_dtype

@@ -29,8 +29,12 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from titan_thd.data.batch_meta import BatchMeta
+from titan_thd.inference.dsv4_cache import DSv4Decoder
+from titan_thd.inference.llama_cache import LlamaDecoder
+from titan_thd.inference.packing import last_rows, packed_meta
 from titan_thd.inference.sampling import Sampling, make_generator, next_tokens
+from titan_thd.models.dsv4.model import DSv4Model
+from titan_thd.models.llama.model import Llama
 
 DECODERS = ("auto", "cache", "recompute")
 
@@ -47,18 +51,6 @@ class Decoder(Protocol):
     def keep(self, index: list[int]) -> None:
         """Keep only the active sequences at these positions (in this order)."""
         ...
-
-
-def packed_meta(lengths: Sequence[int], tokens_T: torch.Tensor) -> BatchMeta:
-    """BatchMeta of sequences of these lengths packed back to back (no padding)."""
-    cu = torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0).to(torch.int32)
-    positions = torch.cat([torch.arange(n, device=tokens_T.device) for n in lengths])
-    return BatchMeta(cu, cu, max(lengths), len(lengths), positions, None, tokens=tokens_T)
-
-
-def last_rows(lengths: Sequence[int]) -> torch.Tensor:
-    """Row of every sequence's last token in the packed microbatch."""
-    return torch.tensor(lengths, dtype=torch.int64).cumsum(0) - 1
 
 
 class RecomputeDecoder:
@@ -90,11 +82,6 @@ class RecomputeDecoder:
 def make_decoder(model: nn.Module, device: torch.device, kind: str = "auto") -> Decoder:
     """`auto`/`cache`: the model family's cached decoder (`cache` refuses a family without one);
     `recompute`: the full forward at every step."""
-    from titan_thd.inference.dsv4_cache import DSv4Decoder
-    from titan_thd.inference.llama_cache import LlamaDecoder
-    from titan_thd.models.dsv4.model import DSv4Model
-    from titan_thd.models.llama.model import Llama
-
     if kind not in DECODERS:
         raise ValueError(f"decoder {kind!r}: expected one of {', '.join(DECODERS)}")
     if kind != "recompute":

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from titan_thd.inference.generate import last_rows, packed_meta
+from titan_thd.inference.packing import last_rows, packed_meta
 from titan_thd.models.llama.model import Llama
 from titan_thd.ops.rope import apply_rope, rope_cos_sin
 
