@@ -1,11 +1,23 @@
-"""Convert DeepSeek-V4 weights between a Hugging Face folder and a DCP checkpoint folder.
+"""Convert weights between a Hugging Face folder and a DCP checkpoint folder (needs the `hf` extra:
+./scripts/setup_env.sh hf).
 
-    # HF (config.json + *.safetensors) -> DCP folder holding the trainer's "model" entries
+    # a trainer checkpoint -> HF folder with the run's tokenizer, loadable by transformers'
+    # AutoModelForCausalLM / AutoTokenizer (dsv4: DeepseekV4ForCausalLM, llama: LlamaForCausalLM)
+    .venv/bin/python scripts/convert_hf.py to-hf RUN_OR_CHECKPOINT OUT_DIR --config dsv4_flash_thd.toml [--dtype bfloat16]
+
+    # HF (config.json + *.safetensors) -> DCP folder holding the trainer's "model" entries (dsv4)
     .venv/bin/python scripts/convert_hf.py to-dcp HF_DIR OUT_DIR [--flavor tiny]
 
-    # DCP (a to-dcp folder, or a trainer checkpoint such as outputs/x/checkpoint/step-60) -> HF folder
+    # a to-dcp folder (or a dsv4 checkpoint without its run's config) -> HF weights and config.json only
     .venv/bin/python scripts/convert_hf.py to-hf DCP_DIR OUT_DIR (--flavor tiny | --hf-config config.json)
-        [--dtype bfloat16]
+
+With --config (the run's TOML, a path or a name in train_configs/, plus `--section.field value` overrides
+as for the trainer) `to-hf` reads a trainer checkpoint of any parallel layout: `RUN/checkpoint/step-N`, or
+a run folder / checkpoint folder for its newest step (titan_thd/inference/loading.py checks the
+checkpoint's model fingerprint against the config). The export then holds config.json (with the
+tokenizer's bos / eos / pad ids), model.safetensors, tokenizer.json, tokenizer_config.json (with the
+chat template) and generation_config.json, so `generate` stops at the end of an assistant turn
+(titan_thd/models/hf_tokenizer.py).
 
     # a trainer checkpoint written before the routed experts were stacked (one tensor per expert)
     # -> the same checkpoint with [E, out, in] stacks (model and optimizer state; resumable)
@@ -37,8 +49,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from titan_thd.components.checkpoint import META_FILE, PER_EXPERT_PARAM, write_meta
+from titan_thd.inference.loading import config_argv, load_model, one_line
 from titan_thd.models.dsv4 import build_dsv4, export_hf, flavors, load_hf
 from titan_thd.models.dsv4.hf_interop import args_from_hf_config, split_experts, stack_experts
+
+HF_EXTRA = "the hf extra (safetensors, transformers): install it with ./scripts/setup_env.sh hf"
 
 
 def to_dcp(hf_dir: Path, out: Path, flavor: str | None) -> None:
@@ -53,9 +68,29 @@ def to_dcp(hf_dir: Path, out: Path, flavor: str | None) -> None:
     print(f"wrote {out}: {len(model.state_dict())} model tensors, args {args.architecture()}")
 
 
+def run_to_hf(src: Path, out: Path, config: str, overrides: list[str], dtype: str | None) -> None:
+    """A trainer checkpoint with its run's config -> HF folder with the tokenizer files."""
+    from titan_thd.models.llama import hf_interop as llama_hf
+
+    loaded = load_model(config_argv(config) + overrides, src)
+    cfg, model = loaded.cfg, loaded.model
+    source = None if cfg.data.tokenizer == "byte" else cfg.data.tokenizer
+    kwargs = {"tokenizer": loaded.tokenizer, "tokenizer_source": source, "context": loaded.context}
+    torch_dtype = getattr(torch, dtype) if dtype else None
+    if cfg.model.name == "dsv4":
+        export_hf(model, model.args, out, torch_dtype, **kwargs)
+    else:
+        llama_hf.export_hf(model, out, torch_dtype, **kwargs)
+    files = ", ".join(sorted(p.name for p in out.iterdir()))
+    print(f"wrote {out} from {loaded.source}: {files}")
+
+
 def to_hf(dcp_dir: Path, out: Path, flavor: str | None, hf_config: Path | None, dtype: str | None) -> None:
     if (flavor is None) == (hf_config is None):
-        raise ValueError("to-hf needs exactly one of --flavor or --hf-config")
+        raise ValueError(
+            "to-hf needs --config (the run's TOML: the model, and the tokenizer files to export), or for a "
+            "dsv4 DCP folder exactly one of --flavor or --hf-config"
+        )
     if not (dcp_dir / ".metadata").is_file():
         raise ValueError(f"{dcp_dir}: not a DCP checkpoint (no .metadata)")
     metadata = dcp.FileSystemReader(dcp_dir).read_metadata().state_dict_metadata
@@ -156,25 +191,41 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("src", type=Path)
     a.add_argument("out", type=Path)
     a.add_argument("--flavor", default=None, help="fail unless config.json matches this dsv4 flavor")
-    b = sub.add_parser("to-hf", help="DCP folder -> HF folder")
-    b.add_argument("src", type=Path)
+    b = sub.add_parser("to-hf", help="trainer checkpoint or DCP folder -> HF folder")
+    b.add_argument(
+        "src", type=Path, help="RUN/checkpoint/step-N, a run folder (its newest step) or a DCP folder"
+    )
     b.add_argument("out", type=Path)
-    b.add_argument("--flavor", default=None)
-    b.add_argument("--hf-config", type=Path, default=None)
+    b.add_argument("--config", default=None, help="the run's TOML (a path or a name in train_configs/)")
+    b.add_argument("--flavor", default=None, help="without --config: the dsv4 flavor of a DCP folder")
+    b.add_argument("--hf-config", type=Path, default=None, help="without --config: an HF config.json (dsv4)")
     b.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
     c = sub.add_parser("stack-experts", help="trainer checkpoint, per-expert layout -> stacked experts")
     c.add_argument("src", type=Path)
     c.add_argument("out", type=Path)
-    opts = p.parse_args(argv)
+    opts, overrides = p.parse_known_args(argv)
+    if overrides and not (opts.cmd == "to-hf" and opts.config):
+        p.error(f"unrecognized arguments: {' '.join(overrides)} (config overrides need to-hf --config)")
     try:
         if opts.cmd == "to-dcp":
             to_dcp(opts.src, opts.out, opts.flavor)
         elif opts.cmd == "stack-experts":
             stack_checkpoint(opts.src, opts.out)
+        elif opts.config is not None:
+            if opts.flavor or opts.hf_config:
+                raise ValueError(
+                    "to-hf --config reads the model from the run's config: drop --flavor / --hf-config"
+                )
+            run_to_hf(opts.src, opts.out, opts.config, overrides, opts.dtype)
         else:
             to_hf(opts.src, opts.out, opts.flavor, opts.hf_config, opts.dtype)
-    except ValueError as e:
-        print(f"convert_hf.py: {e}", file=sys.stderr)
+    except ModuleNotFoundError as e:
+        if (e.name or "").split(".")[0] not in ("safetensors", "transformers"):
+            raise
+        print(f"error: convert_hf.py needs {HF_EXTRA} ({e})", file=sys.stderr)
+        return 1
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {one_line(e)}", file=sys.stderr)
         return 1
     return 0
 

@@ -1,10 +1,16 @@
-"""Generate the embedded default SFT dataset `titan_thd/assets/chat_sft.jsonl.gz`.
+"""Generate the embedded default SFT dataset `titan_thd/assets/chat_sft.jsonl.gz` and its held-out
+evaluation set `titan_thd/assets/chat_heldout.jsonl.gz`.
 
 Chat conversations (OpenAI `messages` schema) whose answers a program can check: multi-digit
 arithmetic, word problems, follow-ups on the previous answer ("Now add 17 to that."), sorting,
 sums, minima / maxima, counting, reversing and counting letters, comparisons, unit conversions,
 and calculator tool calls. Every assistant reply ends with "The answer is X." so a small model can
-learn the format quickly and its accuracy can be measured with `check_conversation`.
+learn the format quickly and its accuracy can be measured with `check_conversation` (the checker
+lives in titan_thd/inference/chat_tasks.py, which grades a model's replies with it).
+
+The held-out set (`--heldout`) comes from the same generator under another seed, without any
+conversation that asks a question of the training set (follow-ups such as "Now add 5 to that."
+excepted: their answer depends on the question before), so no evaluated problem was trained on.
 
 Lengths (byte tokenizer, chat template included) are long-tailed: most conversations are
 40-300 tokens, multi-problem conversations and long lists reach ~3000, so packing matters.
@@ -14,6 +20,7 @@ the same bytes.
 
     python scripts/make_chat_dataset.py            # (re)write the asset, print the length table
     python scripts/make_chat_dataset.py --check    # regenerate in memory, compare, verify answers
+    python scripts/make_chat_dataset.py --heldout [--check]   # the same for the held-out set
 """
 
 from __future__ import annotations
@@ -23,7 +30,6 @@ import gzip
 import io
 import json
 import random
-import re
 import sys
 from pathlib import Path
 
@@ -32,10 +38,14 @@ sys.path.insert(0, str(ROOT))
 
 from titan_thd.data.chat_template import encode_conversation
 from titan_thd.data.tokenizer import ByteTokenizer
+from titan_thd.inference.chat_tasks import TOOL_SYSTEM, UNITS, check_conversation, solve  # noqa: F401
 
 OUTPUT = ROOT / "titan_thd" / "assets" / "chat_sft.jsonl.gz"
 NUM_CONVERSATIONS = 4000
 SEED = 1234
+HELDOUT_OUTPUT = ROOT / "titan_thd" / "assets" / "chat_heldout.jsonl.gz"
+NUM_HELDOUT = 1000
+HELDOUT_SEED = 4321
 
 NAMES = [
     "Ana",
@@ -60,22 +70,11 @@ WORDS = (
     "feather guitar hammer jacket ladder magnet needle pepper rabbit saddle tunnel violin walrus "
     "zebra banana mississippi committee balloon bookkeeper coffee letter summer success tomorrow"
 ).split()
-UNITS = {  # (from, to) -> factor
-    ("kilometers", "meters"): 1000,
-    ("meters", "centimeters"): 100,
-    ("hours", "minutes"): 60,
-    ("minutes", "seconds"): 60,
-    ("kilograms", "grams"): 1000,
-    ("days", "hours"): 24,
-    ("weeks", "days"): 7,
-    ("feet", "inches"): 12,
-}
 SYSTEM_PROMPTS = [
     "You are a careful assistant. End every reply with 'The answer is X.'",
     "You are a math tutor. Show short working, then give the final answer.",
     "Answer precisely and briefly.",
 ]
-TOOL_SYSTEM = "You can use a calculator: reply CALL calculator(<expression>) and wait for its result."
 
 
 # ============================================================================ generation
@@ -257,163 +256,25 @@ def generate(seed: int = SEED, n: int = NUM_CONVERSATIONS) -> list[list[dict]]:
     return [conversation(rng) for _ in range(n)]
 
 
+def heldout(seed: int = HELDOUT_SEED, n: int = NUM_HELDOUT) -> list[list[dict]]:
+    """`n` conversations of the generator under `seed`, none asking a question of the training set."""
+    trained = {m["content"] for c in generate() for m in c if m["role"] == "user"}
+    rng = random.Random(seed)
+    out: list[list[dict]] = []
+    while len(out) < n:
+        c = conversation(rng)
+        asked = [m["content"] for m in c if m["role"] == "user" and not m["content"].startswith("Now ")]
+        if not any(q in trained for q in asked):
+            out.append(c)
+    return out
+
+
 def serialise(conversations: list[list[dict]]) -> bytes:
     text = "".join(json.dumps({"messages": c}, ensure_ascii=True) + "\n" for c in conversations)
     buf = io.BytesIO()
     with gzip.GzipFile(filename="", mode="wb", fileobj=buf, compresslevel=9, mtime=0) as f:
         f.write(text.encode("ascii"))
     return buf.getvalue()
-
-
-# ============================================================================ checking
-_NUM = r"(-?\d+)"
-_LIST = r"([\d, ]+)"
-_PATTERNS: list[tuple[re.Pattern, object]] = [
-    (
-        re.compile(rf"^(?:What is|Compute|Calculate) {_NUM} ([+*-]) {_NUM}[?.]$"),
-        lambda a, op, b: _apply(int(a), op, int(b)),
-    ),
-    (re.compile(rf"^What is the sum of {_NUM} and {_NUM}\?$"), lambda a, b: int(a) + int(b)),
-    (re.compile(rf"^What is the difference between {_NUM} and {_NUM}\?$"), lambda a, b: int(a) - int(b)),
-    (re.compile(rf"^What is the product of {_NUM} and {_NUM}\?$"), lambda a, b: int(a) * int(b)),
-    (
-        re.compile(rf"^(\w+) has {_NUM} (\w+) and buys {_NUM} more\. How many \3 does \1 have now\?$"),
-        lambda _, a, __, b: int(a) + int(b),
-    ),
-    (
-        re.compile(
-            rf"^(\w+) has {_NUM} (\w+) and gives {_NUM} of them to \w+\. How many \3 does \1 have left\?$"
-        ),
-        lambda _, a, __, b: int(a) - int(b),
-    ),
-    (
-        re.compile(rf"^A box holds {_NUM} (\w+)\. How many \2 are in {_NUM} boxes\?$"),
-        lambda a, _, b: int(a) * int(b),
-    ),
-    (
-        re.compile(
-            rf"^\w+ shares {_NUM} (\w+) equally among {_NUM} friends\. How many \2 does each friend get\?$"
-        ),
-        lambda a, _, b: _exact_div(int(a), int(b)),
-    ),
-    (
-        re.compile(rf"^A train travels {_NUM} km per hour for {_NUM} hours\. How many km does it travel\?$"),
-        lambda a, b: int(a) * int(b),
-    ),
-    (
-        re.compile(rf"^Sort these numbers in (ascending|descending) order: {_LIST}\.$"),
-        lambda order, xs: ", ".join(map(str, sorted(_ints(xs), reverse=order == "descending"))),
-    ),
-    (re.compile(rf"^What is the sum of these numbers: {_LIST}\?$"), lambda xs: sum(_ints(xs))),
-    (
-        re.compile(rf"^What is the (largest|smallest) number in this list: {_LIST}\?$"),
-        lambda w, xs: (max if w == "largest" else min)(_ints(xs)),
-    ),
-    (
-        re.compile(rf"^How many even numbers are in this list: {_LIST}\?$"),
-        lambda xs: sum(x % 2 == 0 for x in _ints(xs)),
-    ),
-    (re.compile(r'^Reverse the string "([a-z]+)"\.$'), lambda w: w[::-1]),
-    (
-        re.compile(r'^How many times does the letter "([a-z])" appear in "([a-z]+)"\?$'),
-        lambda c, w: w.count(c),
-    ),
-    (re.compile(r'^How many letters are in the word "([a-z]+)"\?$'), len),
-    (
-        re.compile(rf"^Which number is (larger|smaller): {_NUM} or {_NUM}\?$"),
-        lambda w, a, b: (max if w == "larger" else min)(int(a), int(b)),
-    ),
-    (re.compile(rf"^Convert {_NUM} (\w+) to (\w+)\.$"), lambda v, src, dst: _convert(int(v), src, dst)),
-]
-_FOLLOW_UP = re.compile(rf"^Now (add|subtract|multiply) (?:that by )?{_NUM}(?: (?:to|from) that)?\.$")
-_EQUATION = re.compile(r"(-?\d+(?: [+*/-] -?\d+)+) = (-?\d+)")
-_CALL = re.compile(r"^CALL calculator\((\d+) ([+*-]) (\d+)\)$")
-
-
-def _apply(a: int, op: str, b: int) -> int:
-    if op == "/":
-        return _exact_div(a, b)
-    return {"+": a + b, "-": a - b, "*": a * b}[op]
-
-
-def _convert(v: int, src: str, dst: str) -> str | None:
-    f = UNITS.get((src, dst))
-    return None if f is None else f"{v * f} {dst}"
-
-
-def _exact_div(a: int, b: int) -> int:
-    if a % b:
-        raise ValueError(f"{a} / {b} is not exact")
-    return a // b
-
-
-def _ints(listed: str) -> list[int]:
-    return [int(x) for x in listed.split(", ")]
-
-
-def solve(question: str, prev: object = None) -> object:
-    """The correct final answer of a question, computed from its text alone (None if unknown)."""
-    m = _FOLLOW_UP.match(question)
-    if m:
-        if not isinstance(prev, int):
-            return None
-        op, n = m.group(1), int(m.group(2))
-        return _apply(prev, {"add": "+", "subtract": "-", "multiply": "*"}[op], n)
-    for pattern, fn in _PATTERNS:
-        m = pattern.match(question)
-        if m:
-            return fn(*m.groups())
-    return None
-
-
-def check_conversation(messages: list[dict]) -> list[str]:
-    """Every problem found in a conversation: unknown questions, wrong equations in the working,
-    wrong final answers, wrong tool calls. An empty list means the conversation is correct."""
-    errors: list[str] = []
-    prev: object = None
-    i = 0
-    while i < len(messages):
-        if messages[i]["role"] != "user":
-            i += 1
-            continue
-        question = messages[i]["content"]
-        replies = []
-        i += 1
-        while i < len(messages) and messages[i]["role"] != "user":
-            replies.append(messages[i])
-            i += 1
-        expected = solve(question, prev)
-        if expected is None:
-            errors.append(f"cannot solve {question[:60]!r}")
-            continue
-        if len(replies) == 3 and replies[0]["role"] == "assistant" and replies[1]["role"] == "tool":
-            call = _CALL.match(replies[0]["content"])
-            if (
-                not call
-                or _apply(int(call[1]), call[2], int(call[3])) != expected
-                or replies[1]["content"] != str(expected)
-            ):
-                errors.append(
-                    f"bad tool call for {question!r}: {replies[0]['content']!r} -> {replies[1]['content']!r}"
-                )
-            replies = replies[2:]
-        if len(replies) != 1 or replies[0]["role"] != "assistant":
-            errors.append(
-                f"expected one assistant reply to {question[:60]!r}, got {[r['role'] for r in replies]}"
-            )
-            continue
-        answer = replies[0]["content"]
-        for lhs, rhs in _EQUATION.findall(answer):
-            tokens = lhs.split(" ")
-            value = int(tokens[0])
-            for op, operand in zip(tokens[1::2], tokens[2::2]):
-                value = _apply(value, op, int(operand))
-            if value != int(rhs):
-                errors.append(f"wrong working {lhs} = {rhs} (is {value})")
-        if not answer.endswith(f"The answer is {expected}."):
-            errors.append(f"wrong answer to {question[:60]!r}: {answer[-60:]!r}, expected {expected}")
-        prev = expected
-    return errors
 
 
 # ============================================================================ main
@@ -433,12 +294,21 @@ def main() -> int:
     ap.add_argument(
         "--check", action="store_true", help="regenerate in memory and compare with the shipped file"
     )
-    ap.add_argument("--seed", type=int, default=SEED)
-    ap.add_argument("--num", type=int, default=NUM_CONVERSATIONS)
-    ap.add_argument("--output", type=Path, default=OUTPUT)
+    ap.add_argument(
+        "--heldout", action="store_true", help=f"the held-out evaluation set ({HELDOUT_OUTPUT.name}) instead"
+    )
+    ap.add_argument("--seed", type=int, default=None, help=f"default {SEED} ({HELDOUT_SEED} with --heldout)")
+    ap.add_argument(
+        "--num", type=int, default=None, help=f"default {NUM_CONVERSATIONS} ({NUM_HELDOUT} with --heldout)"
+    )
+    ap.add_argument("--output", type=Path, default=None, help="default: the shipped asset")
     args = ap.parse_args()
-
-    conversations = generate(args.seed, args.num)
+    if args.heldout:
+        conversations = heldout(args.seed or HELDOUT_SEED, args.num or NUM_HELDOUT)
+        args.output = args.output or HELDOUT_OUTPUT
+    else:
+        conversations = generate(args.seed or SEED, args.num or NUM_CONVERSATIONS)
+        args.output = args.output or OUTPUT
     data = serialise(conversations)
     bad = [(i, e) for i, c in enumerate(conversations) for e in check_conversation(c)]
     stats = length_table(conversations)

@@ -10,6 +10,7 @@ References are runs of the same trainer on one process (the independent layout):
 - bitwise resume: 8 steps straight == 4 steps + resume + 4 steps (metrics.jsonl, ==), on one
   process and on DP=2;
 - a DP=1 checkpoint resumed on DP=2 trains on the same documents each step, losses rel <= 1e-12;
+- the DP=2 checkpoint loads into one process for generation with the DP=1 run's weights;
 - a trainer SIGKILLed inside a save resumes from the previous checkpoint;
 - bad checkpoints through the trainer: another model, a load_step that does not exist.
 """
@@ -203,6 +204,24 @@ def test_dp1_checkpoint_resumes_on_dp2_with_the_same_data_stream(dp1, dp2):
         assert (b["tokens_real"], b["tokens_trained"]) == (a["tokens_real"], a["tokens_trained"])
         assert b["lr"] == a["lr"]
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-12, abs=0)
+
+
+@pytest.mark.slow
+def test_a_dp2_checkpoint_loads_into_one_process_for_generation(dp1, dp2):
+    """The inference loader (scripts/generate.py, evaluate.py, convert_hf.py to-hf) reads the FSDP-sharded
+    DP=2 checkpoint into one process: the weights of the DP=1 run after the same 8 steps (relative 1e-10,
+    the gradients' bound), so the same greedy tokens."""
+    from titan_thd.inference.loading import load_model
+
+    one = load_model(args(dp1[0]["straight"], STEPS), dp1[0]["straight"], dtype="float64")
+    two = load_model(
+        args(dp2[0]["straight"], STEPS), dp2[0]["straight"] / "checkpoint" / f"step-{STEPS}", dtype="float64"
+    )
+    a, b = one.model.state_dict(), two.model.state_dict()
+    assert a.keys() == b.keys() and not any(isinstance(v, DTensor) for v in b.values())
+    assert max(max_rel(b[k], a[k]) for k in a) <= 1e-10
+    prompt = one.chat_prompt([{"role": "user", "content": "What is 12 + 7?"}])
+    assert [c.tokens for c in one.generate([prompt], 16)] == [c.tokens for c in two.generate([prompt], 16)]
 
 
 def test_bad_checkpoints_through_the_trainer(dp1):

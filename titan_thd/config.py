@@ -271,6 +271,24 @@ class Validation:
 
 
 @dataclass
+class Evaluation:
+    enable: bool = False
+    """Answer the questions of held-out chat conversations with the model (greedy, cached decoding) and log
+    the accuracy graded by the embedded dataset's checker: `val/accuracy` (exact answers),
+    `val/format_accuracy`, `val/accuracy/<family>` (titan_thd/inference/evaluation.py). Not with
+    pipeline or expert parallelism (scripts/evaluate.py evaluates their checkpoints)."""
+    freq: int = 100
+    """Evaluate after every this many optimizer steps (the last step is always evaluated)."""
+    limit: int = 50
+    """Held-out conversations to evaluate (each of their questions is one problem; 0 = all 1,000)."""
+    path: str = ""
+    """Held-out conversations (a messages JSONL, .gz allowed; "" = the embedded held-out set
+    titan_thd/assets/chat_heldout.jsonl.gz, which asks no question of the training set)."""
+    max_new_tokens: int = 512
+    """Cap of a reply's budget (each reply may have the reference answer's length + 16 tokens)."""
+
+
+@dataclass
 class Comm:
     mode: Literal["default", "fake"] = "default"
     """`default` (torchrun process group) or `fake` (one process simulates the world; a dry run)."""
@@ -290,6 +308,7 @@ class Config:
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     metrics: Metrics = field(default_factory=Metrics)
     validation: Validation = field(default_factory=Validation)
+    evaluation: Evaluation = field(default_factory=Evaluation)
     comm: Comm = field(default_factory=Comm)
 
 
@@ -591,6 +610,28 @@ def validate(cfg: Config) -> None:
     if cfg.data.source in ("jsonl", "parquet", "packed") and not cfg.data.path:
         raise ValueError(f"data.source = {cfg.data.source} needs data.path")
     _validate_validation(cfg)
+    _validate_evaluation(cfg)
+
+
+def _validate_evaluation(cfg: Config) -> None:
+    """[evaluation] checks (evaluation.path is read when the trainer starts)."""
+    e, p = cfg.evaluation, cfg.parallelism
+    if e.freq < 1:
+        raise ValueError(f"evaluation.freq: got {e.freq}, expected a positive number of steps")
+    if e.limit < 0:
+        raise ValueError(
+            f"evaluation.limit: got {e.limit}, expected 0 (all) or a positive number of conversations"
+        )
+    if e.max_new_tokens < 1:
+        raise ValueError(
+            f"evaluation.max_new_tokens: got {e.max_new_tokens}, expected a positive number of tokens"
+        )
+    if e.enable and (p.pipeline_parallel_degree > 1 or p.expert_parallel_degree > 1):
+        raise ValueError(
+            "evaluation.enable = true needs every rank to gather the whole model: got pipeline_parallel_degree "
+            f"{p.pipeline_parallel_degree}, expert_parallel_degree {p.expert_parallel_degree}, expected 1 and 1 "
+            "(evaluate the checkpoints with scripts/evaluate.py instead)"
+        )
 
 
 def _validate_validation(cfg: Config) -> None:

@@ -47,6 +47,7 @@ from titan_thd.data.dataloader import OrderedSteps, StepBatch, THDDataLoader, bu
 from titan_thd.data.packed_batch import PackedBatch
 from titan_thd.data.stores import build_stores
 from titan_thd.data.tokenizer import Tokenizer
+from titan_thd.inference.evaluation import TrainingEvaluator
 from titan_thd.inputs import cache_dir, check_inputs, data_layout, env_world_size, hybrid_threshold, preflight
 from titan_thd.models.spec import ModelSpec, as_dtype
 from titan_thd.parallel import distributed as dist_utils
@@ -75,6 +76,7 @@ class Trainer:
     tokenizer: Tokenizer
     dataloader: THDDataLoader
     validator: Validator | None
+    evaluator: TrainingEvaluator | None
     # ---- model and optimisation
     model: nn.Module
     """This rank's module (its pipeline stages' layers): owns the parameters."""
@@ -100,6 +102,11 @@ class Trainer:
         inputs = check_inputs(cfg, env_world_size("NGPU" if fake else "WORLD_SIZE"))
         self.spec, self.tokenizer, self.model_args = inputs.spec, inputs.tokenizer, inputs.model_args
         self.parallel_dims = dims = inputs.dims
+        self.evaluator = (  # answer accuracy on held-out chat problems (titan_thd/inference/evaluation.py)
+            TrainingEvaluator(cfg.evaluation, t.steps, self.tokenizer, t.tokens_per_microbatch)
+            if cfg.evaluation.enable
+            else None
+        )
 
         self.dist = dist_utils.init_distributed(cfg.comm)
         if t.deterministic:
@@ -281,6 +288,11 @@ class Trainer:
             return {}
         return self.validator.run(self.model, self.step)
 
+    def evaluate(self) -> dict[str, float]:
+        if self.evaluator is None or not self.evaluator.due(self.step):
+            return {}
+        return self.evaluator.run(self.model, lambda: self.spec.build(self.model_args), self.dist.device)
+
     def train(self) -> None:
         if self.dist.fake and not self._fake_step_fits():
             return
@@ -296,6 +308,7 @@ class Trainer:
             self.tokens_seen += step_batch.real_tokens
             now = time.perf_counter()
             result |= self.validate()
+            result |= self.evaluate()
             self.log(step_batch, result, now - t0, now - start)
             self.checkpointer.save(self.step, force=self.step == self.cfg.training.steps)
             # Every rank stops after the same step, whichever ranks the signal reached.

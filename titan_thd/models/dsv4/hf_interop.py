@@ -14,7 +14,7 @@ transformers format), which `DeepseekV4ForCausalLM.from_pretrained` loads.
 
     model, args = load_hf("ckpt_dir")             # args from config.json
     model, args = load_hf("ckpt_dir", "tiny")     # ValueError unless config.json matches the flavor
-    export_hf(model, args, "out_dir")
+    export_hf(model, args, "out_dir", tokenizer=tok)   # + tokenizer files, bos / eos / pad ids
 """
 
 from __future__ import annotations
@@ -27,10 +27,12 @@ from pathlib import Path
 
 import torch
 
+from titan_thd.data.tokenizer import Tokenizer
 from titan_thd.jsonfile import read_json_object
 from titan_thd.models.dsv4.args import DSv4Args, flavors
 from titan_thd.models.dsv4.hf_dequant import check_quantization_config, dequantize_state
 from titan_thd.models.dsv4.model import DSv4Model, build_dsv4
+from titan_thd.models.hf_tokenizer import special_token_ids, write_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -286,8 +288,12 @@ def args_from_hf_config(cfg: dict, where: str = "config.json") -> DSv4Args:
     )
 
 
-def hf_config_from_args(args: DSv4Args, dtype: torch.dtype = torch.float32) -> dict:
-    """A transformers DeepseekV4Config dict describing `args`."""
+def hf_config_from_args(
+    args: DSv4Args, dtype: torch.dtype = torch.float32, token_ids: dict | None = None
+) -> dict:
+    """A transformers DeepseekV4Config dict describing `args`; `token_ids`: bos / eos / pad ids of the
+    tokenizer (models/hf_tokenizer.py; None = not known, written as null). max_position_embeddings
+    stays transformers' default: its YaRN code may read it, and our RoPE has no such limit."""
     compress = {
         "rope_type": "default",
         "rope_theta": args.compress_rope_theta,
@@ -351,8 +357,7 @@ def hf_config_from_args(args: DSv4Args, dtype: torch.dtype = torch.float32) -> d
         "num_nextn_predict_layers": args.mtp_layers,
         "tie_word_embeddings": False,
         "hidden_act": "silu",
-        "bos_token_id": 0,
-        "eos_token_id": 1,
+        **(token_ids or {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}),
     }
 
 
@@ -497,9 +502,21 @@ def load_hf_into(model: DSv4Model, path: str | Path) -> None:
 
 
 def export_hf(
-    model: DSv4Model, args: DSv4Args, out_dir: str | Path, dtype: torch.dtype | None = None
+    model: DSv4Model,
+    args: DSv4Args,
+    out_dir: str | Path,
+    dtype: torch.dtype | None = None,
+    *,
+    tokenizer: Tokenizer | None = None,
+    tokenizer_source: str | Path | None = None,
+    context: int = 0,
 ) -> Path:
-    """Write config.json + model.safetensors (reference names) that transformers can load."""
+    """Write config.json + model.safetensors (reference names) that transformers can load.
+
+    With `tokenizer` (the run's; `tokenizer_source` its tokenizer.json path, if any) the folder also
+    gets the tokenizer files and generation_config.json, and config.json its bos / eos / pad ids, so
+    that `generate` stops at the end of a turn (models/hf_tokenizer.py). `context`: the longest
+    sequence trained (the tokenizer's model_max_length)."""
     from safetensors.torch import save_file
 
     out = Path(out_dir)
@@ -512,5 +529,10 @@ def export_hf(
         state[k] = v.detach().cpu().contiguous()
     save_file(to_reference(state), str(out / "model.safetensors"), metadata={"format": "pt"})
     params_dtype = dtype or next(model.parameters()).dtype
-    (out / "config.json").write_text(json.dumps(hf_config_from_args(args, params_dtype), indent=2) + "\n")
+    token_ids = None
+    if tokenizer is not None:
+        write_tokenizer(tokenizer, out, tokenizer_source, context)
+        token_ids = special_token_ids(tokenizer)
+    config = hf_config_from_args(args, params_dtype, token_ids)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out

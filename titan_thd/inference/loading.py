@@ -1,0 +1,197 @@
+"""A trained model in one process, for generation and evaluation: the run's config, tokenizer and weights.
+
+    loaded = load_model(["--job.config_file", "train_configs/dsv4_flash_thd.toml"], "outputs/x/checkpoint/step-40")
+
+Where the weights come from (the first that applies):
+- `checkpoint`: a trainer checkpoint `RUN/checkpoint/step-N`, a checkpoint folder (its newest complete
+  step), or a run folder (`job.dump_folder`; the newest step of its `checkpoint.folder`). A checkpoint
+  of ANY parallel layout loads, since DCP reshards it into this one process (data, context, tensor,
+  pipeline or expert parallel). It must come from the model the config describes: the checkpoint's
+  fingerprint (model, flavor, every parameter's name and shape) is compared and every difference named;
+  its files are verified against their CRC-32s (components/checkpoint.py);
+- `model.hf_path` of the config (or a `--model.hf_path` override): a Hugging Face folder;
+- `untrained`: the seeded initialisation the trainer would start from (a baseline).
+
+The config is read as the trainer reads it (`--job.config_file` + overrides) and checked the same way,
+for one process: the parallel degrees are reset (a checkpoint of any layout loads into one process),
+training-only switches (compile, validation, checkpoint saving) are off. The model is built in the
+training dtype (so the checkpoint's tensors load as saved), then cast to `dtype` for inference.
+The tokenizer and chat template are the run's `data.tokenizer` / `data.chat_template`; the context is
+training.tokens_per_microbatch, the longest document the model was trained on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from titan_thd.components.checkpoint import STEP_DIR, CheckpointManager, model_fingerprint
+from titan_thd.config import Checkpoint, Config, Parallelism, load_config
+from titan_thd.data import deepseek_chat
+from titan_thd.data.chat_template import encode_prompt
+from titan_thd.data.tokenizer import END_OF_TURN, Tokenizer
+from titan_thd.inference.generate import Completion, generate
+from titan_thd.inputs import check_inputs
+from titan_thd.models.spec import ModelSpec, as_dtype
+from titan_thd.parallel.fsdp import build_on_meta
+
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "train_configs"
+
+
+@dataclass
+class Loaded:
+    model: nn.Module
+    """The whole model, on `device`, in eval mode."""
+    tokenizer: Tokenizer
+    cfg: Config
+    spec: ModelSpec
+    device: torch.device
+    context: int
+    """Most tokens a sequence may hold (training.tokens_per_microbatch)."""
+    source: str
+    """Where the weights came from (for the log line)."""
+
+    @property
+    def stop_ids(self) -> set[int]:
+        return stop_ids(self.tokenizer)
+
+    def chat_prompt(self, messages: list[dict]) -> list[int]:
+        """Ids asking for the next assistant turn of `messages` in the run's chat template."""
+        return encode_prompt(self.tokenizer, messages)
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, **kwargs) -> list[Completion]:
+        """generate.generate with this run's stop ids, tokenizer vocabulary, context and device."""
+        kwargs = {"stop_ids": self.stop_ids, "vocab_size": self.tokenizer.vocab_size, **kwargs}
+        return generate(
+            self.model,
+            prompts,
+            max_new_tokens=max_new_tokens,
+            context=self.context,
+            device=self.device,
+            **kwargs,
+        )
+
+
+def stop_ids(tokenizer: Tokenizer) -> set[int]:
+    """The ids that end an assistant turn: `<|end|>` (simple template) or DeepSeek's end of sentence,
+    and the tokenizer's eos."""
+    end = deepseek_chat.EOS if tokenizer.chat_format == "deepseek" else END_OF_TURN
+    return {tokenizer.special_id(end), tokenizer.eos_id}
+
+
+def config_argv(config: str) -> list[str]:
+    """`--job.config_file PATH` for `config`: a path, a name in train_configs/ (as run_train.sh), or a
+    path relative to the checkout (`train_configs/X.toml` from another working directory)."""
+    for candidate in (Path(config), CONFIG_DIR / config, CONFIG_DIR.parent / config):
+        if candidate.is_file():
+            return ["--job.config_file", str(candidate)]
+    names = ", ".join(sorted(p.name for p in CONFIG_DIR.glob("*.toml")))
+    raise ValueError(f"--config {config!r}: no such file (nor train_configs/{config}); available: {names}")
+
+
+def resolve_checkpoint(path: str | Path, checkpoint_folder: str = "checkpoint") -> Path:
+    """The `step-N` folder that `path` names: itself, the newest complete step of a checkpoint folder,
+    or of a run folder's `checkpoint_folder`."""
+    p = Path(path)
+    if not p.exists():
+        raise ValueError(f"--checkpoint {str(path)!r}: no such folder")
+    if STEP_DIR.match(p.name) and p.is_dir():
+        return p
+    for folder in (p, p / checkpoint_folder):
+        steps = sorted(
+            (int(m.group(1)), c)
+            for c in folder.glob("step-*")
+            if c.is_dir() and (m := STEP_DIR.match(c.name))
+        )
+        if steps:
+            return steps[-1][1]
+    raise ValueError(
+        f"--checkpoint {str(path)!r}: not a checkpoint (expected RUN/{checkpoint_folder}/step-N, a folder of "
+        f"step-N checkpoints, or a run folder holding {checkpoint_folder}/step-N)"
+    )
+
+
+def inference_config(argv: list[str]) -> Config:
+    """The run's config for one process: parallel degrees reset, training-only switches off."""
+    cfg = load_config(argv)
+    cfg.parallelism = Parallelism()
+    cfg.validation = dataclasses.replace(cfg.validation, enable=False)
+    cfg.training.compile = False
+    cfg.comm.mode = "default"
+    return cfg
+
+
+def load_model(
+    argv: list[str],
+    checkpoint: str | Path | None = None,
+    *,
+    untrained: bool = False,
+    device: str | torch.device = "cpu",
+    dtype: str = "float32",
+) -> Loaded:
+    """The model, tokenizer and config of a run (see the module docstring); ValueError on bad input."""
+    cfg = inference_config(argv)
+    inputs = check_inputs(cfg, 1)
+    spec, tokenizer, model_args = inputs.spec, inputs.tokenizer, inputs.model_args
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if checkpoint is None and not cfg.model.hf_path and not untrained:
+        raise ValueError(
+            "no weights: give --checkpoint (RUN/checkpoint/step-N, or a run folder), --model.hf_path "
+            "(a Hugging Face folder), or --untrained for the seeded initialisation"
+        )
+    step_dir = None
+    if checkpoint is not None:  # refuse another model's checkpoint before building anything
+        step_dir = resolve_checkpoint(checkpoint, cfg.checkpoint.folder)
+        _checkpoint_manager(build_on_meta(lambda: spec.build(model_args)), step_dir, cfg).check_resumable()
+    torch.manual_seed(cfg.training.seed)  # the trainer's initialisation (what --untrained evaluates)
+    model = spec.build(model_args)
+    if step_dir is not None:
+        model.to(as_dtype(cfg.training.dtype))
+        _checkpoint_manager(model, step_dir, cfg).load()
+        source = f"checkpoint {step_dir}"
+    elif cfg.model.hf_path:
+        spec.init_from_hf(model, cfg.model.hf_path)
+        source = f"Hugging Face folder {cfg.model.hf_path}"
+    else:
+        source = f"untrained (seed {cfg.training.seed})"
+    model = model.to(device=device, dtype=as_dtype(dtype)).eval()
+    label = f"{cfg.model.name}/{cfg.model.flavor or 'config.json'}"
+    return Loaded(
+        model, tokenizer, cfg, spec, device, cfg.training.tokens_per_microbatch, f"{label} {source}"
+    )
+
+
+def _checkpoint_manager(model: nn.Module, step_dir: Path, cfg: Config) -> CheckpointManager:
+    """A manager that loads only the model entries of a trainer checkpoint (the optimizer, data and
+    schedule state stay on disk), after checking its fingerprint and its files' CRC-32s."""
+    if not (step_dir / "meta.json").is_file():
+        raise ValueError(
+            f"--checkpoint {step_dir}: no meta.json, so not a complete titan_thd trainer checkpoint (a folder "
+            "written by scripts/convert_hf.py to-dcp converts back with to-hf and loads via --model.hf_path)"
+        )
+    return CheckpointManager(
+        Checkpoint(
+            enable=True, folder=step_dir.parent.name, load_step=int(STEP_DIR.match(step_dir.name).group(1))
+        ),
+        str(step_dir.parent.parent),
+        model=model,
+        optimizer=None,
+        lr_schedulers=[],
+        states={},
+        fingerprint=model_fingerprint([model], model=cfg.model.name, flavor=cfg.model.flavor),
+    )
+
+
+def one_line(error: BaseException) -> str:
+    """A (possibly multi-line) error message as one line, for the `error:` line of the command lines."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    out = lines[0] if lines else type(error).__name__
+    for line in lines[1:]:
+        out += (" " if out.endswith(":") else "; ") + line
+    return out
