@@ -3,6 +3,7 @@ Hugging Face checkpoint, and early user errors."""
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -61,6 +62,15 @@ def test_loss_is_global_token_mean_over_microbatches(trainer):
     for n, p in model.named_parameters():
         torch.testing.assert_close(grads[n], p.grad, rtol=1e-9, atol=1e-12, msg=n)
     model.float()
+
+
+def test_the_run_folder_holds_the_tokenizer_it_trains_with(trainer):
+    from titan_thd.data.tokenizer import HFTokenizer
+
+    saved = HFTokenizer(Path(trainer.cfg.job.dump_folder) / "tokenizer" / "tokenizer.json")
+    text = "What is 12 + 30?"
+    assert saved.encode(text) == trainer.tokenizer.encode(text)
+    assert saved.special_ids == trainer.tokenizer.special_ids
 
 
 def test_vocab_rounded_and_train_step_runs(trainer):

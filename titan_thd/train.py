@@ -21,6 +21,7 @@ import os
 import sys
 import time
 import warnings
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,7 +31,13 @@ from titan_thd import exits
 from titan_thd.components.checkpoint import CheckpointManager, model_fingerprint
 from titan_thd.components.dry_run import fake_step_fits
 from titan_thd.components.lr_scheduler import LRSchedulersContainer
-from titan_thd.components.metrics import MetricsLogger, StepTimer, peak_tflops_per_rank, step_metrics
+from titan_thd.components.metrics import (
+    MetricsLogger,
+    StepTimer,
+    peak_tflops_per_rank,
+    progress_line,
+    step_metrics,
+)
 from titan_thd.components.optimizer import (
     OptimizersContainer,
     build_optimizers,
@@ -49,6 +56,7 @@ from titan_thd.data.stores import build_stores
 from titan_thd.data.tokenizer import Tokenizer
 from titan_thd.inference.evaluation import TrainingEvaluator
 from titan_thd.inputs import cache_dir, check_inputs, data_layout, env_world_size, hybrid_threshold, preflight
+from titan_thd.models.hf_tokenizer import write_tokenizer
 from titan_thd.models.spec import ModelSpec, as_dtype
 from titan_thd.parallel import distributed as dist_utils
 from titan_thd.parallel.context_parallel import resolve_mode
@@ -178,9 +186,13 @@ class Trainer:
         dist_utils.barrier()
         self.metrics = MetricsLogger(cfg.metrics, cfg.job.dump_folder, enabled=self.dist.is_main)
         self._recent_step_times: collections.deque[float] = collections.deque(maxlen=10)
+        self._first_step = 1  # of this process: a resume sets it in train()
         self.timer = StepTimer(self.dist.device)
         if self.dist.is_main:
             self._log_header(inputs.stages)
+            if not self.dist.fake:  # the run folder holds the tokenizer it was trained with
+                source = None if cfg.data.tokenizer == "byte" else cfg.data.tokenizer
+                write_tokenizer(self.tokenizer, Path(cfg.job.dump_folder) / "tokenizer", source)
 
     # ------------------------------------------------------------------ checkpointed state
     def state_dict(self) -> dict[str, Any]:
@@ -277,7 +289,8 @@ class Trainer:
             | val
         )
         self.metrics.log(record, last_step=self.cfg.training.steps)
-        self._recent_step_times.append(step_time)
+        if self.step > self._first_step:  # the first step of a process warms up: not a rate
+            self._recent_step_times.append(step_time)
         last = self.cfg.training.steps
         if self.dist.is_main and self.step < last and self.metrics.should_print(self.step, last):
             logger.info("%s", progress_line(self.step, last, self._recent_step_times))
@@ -298,6 +311,7 @@ class Trainer:
             return
         self.stop.install()
         self.checkpointer.load()  # restores self.step / tokens_seen / the data position
+        self._first_step = self.step + 1
         start = time.perf_counter()
         while self.step < self.cfg.training.steps:
             t0 = time.perf_counter()
@@ -415,18 +429,6 @@ class Trainer:
                 logger.warning("%s", line.removeprefix("warning: "))
             else:
                 logger.info("%s", line)
-
-
-def progress_line(step: int, last_step: int, recent_step_times: collections.abc.Sequence[float]) -> str:
-    """`step 20/40 (50%), 3.10 s/step (last 10), ETA 1m02s`: steps left x the recent mean step time."""
-    per_step = sum(recent_step_times) / max(1, len(recent_step_times))
-    eta = round((last_step - step) * per_step)
-    hours, rest = divmod(eta, 3600)
-    clock = f"{hours}h{rest // 60:02d}m" if hours else f"{rest // 60}m{rest % 60:02d}s"
-    return (
-        f"progress: step {step}/{last_step} ({100 * step / last_step:.0f}%), {per_step:.2f} s/step "
-        f"(last {len(recent_step_times)}), ETA {clock}"
-    )
 
 
 def main(argv: list[str] | None = None) -> int:

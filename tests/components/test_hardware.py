@@ -9,7 +9,7 @@ import torch
 
 from titan_thd.components import hardware
 from titan_thd.components.hardware import Hardware
-from titan_thd.train import progress_line
+from titan_thd.components.metrics import mfu_warning, progress_line
 
 NATIVE = Hardware(device="cuda:0 (test)", capability="sm_90", native_bf16_matmul=True)
 EMULATED = Hardware(device="cpu (test)", capability="AVX2", native_bf16_matmul=False)
@@ -59,5 +59,23 @@ def test_an_avx2_emulation_counts_as_no_native_bf16():
 
 
 def test_progress_line_eta_is_steps_left_times_recent_step_time():
-    assert progress_line(10, 40, [2.0, 4.0]) == "progress: step 10/40 (25%), 3.00 s/step (last 2), ETA 1m30s"
-    assert progress_line(1, 5000, [3.0]).endswith("ETA 4h09m")
+    line = progress_line(10, 40, [2.0, 4.0, 3.0])
+    assert line == "progress: step 10/40 (25%), 3.00 s/step (last 3), ETA 1m30s"
+    assert progress_line(4, 5000, [3.0, 3.0, 3.0]).endswith("ETA 4h09m")
+
+
+def test_no_eta_before_three_timed_steps():
+    """A step-1 ETA of 33 minutes for a 4-minute run (the first step compiles and allocates) is
+    worse than none: the trainer leaves the process's first step out and the line waits for 3."""
+    assert progress_line(2, 40, [9.0]) == "progress: step 2/40 (5%), ETA warming up"
+    assert progress_line(3, 40, [9.0, 1.0]).endswith("ETA warming up")
+    assert "ETA warming up" not in progress_line(4, 40, [9.0, 1.0, 1.0])
+
+
+def test_an_mfu_above_100_percent_is_a_warning_naming_the_peak_setting():
+    record = {"step": 7, "mfu": 114.6, "tflops": 0.573}
+    measured = mfu_warning(record, configured=False)
+    assert "114.6 %" in measured and "measured at start-up came out low" in measured
+    assert "--metrics.peak_tflops" in measured and "peak used 0.500 TFLOP/s" in measured
+    assert "set below what the device does" in mfu_warning(record, configured=True)
+    assert mfu_warning({"step": 7, "mfu": 99.9, "tflops": 0.5}, configured=False) is None

@@ -237,3 +237,13 @@ def test_tensorboard_after_a_resume_has_one_value_per_step(tmp_path):
         (7, 70.0),
     ]
     assert [s for s, _ in _tb_scalars(tmp_path / "tb", "grad_norm")] == list(range(1, 8))
+
+
+def test_an_mfu_above_100_percent_is_warned_once(tmp_path, caplog):
+    log = M.MetricsLogger(Metrics(log_freq=100, enable_tensorboard=False), str(tmp_path), enabled=True)
+    with caplog.at_level("INFO", logger="titan_thd"):
+        for step, mfu in ((1, 50.0), (2, 114.6), (3, 130.0)):
+            log.log(_record(step=step) | {"mfu": mfu}, last_step=9)
+    log.close()
+    warnings = [r.message for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "mfu 114.6 % at step 2" in warnings[0], warnings

@@ -67,6 +67,21 @@ def test_hf_tokenizer_adds_missing_specials(tmp_path):
         assert tok.decode(enc) == text and max(enc) < base_size
 
 
+def test_the_added_tokens_are_explained(tmp_path):
+    tok = build_tokenizer(
+        str(_train_bpe(tmp_path / "tokenizer.json", special_tokens=["<s>", "</s>", "<pad>"]))
+    )
+    first = tok.special_id("<|system|>")
+    note = tok.added_tokens_note()
+    assert note.startswith("tokenizer: added 5 special tokens the chat template needs")
+    assert "<|system|>, <|user|>, <|assistant|>, <|tool|>, <|end|>" in note
+    assert f"as ids {first}..{first + 4}," in note and "/tokenizer/tokenizer.json" in note
+    _train_bpe(
+        tmp_path / "full.json", special_tokens=["<s>", "</s>", "<pad>", *ROLE_TOKENS.values(), END_OF_TURN]
+    )
+    assert build_tokenizer(str(tmp_path / "full.json")).added_tokens_note() == ""
+
+
 def test_hf_tokenizer_reuses_existing_specials(tmp_path):
     _train_bpe(tmp_path / "tokenizer.json", special_tokens=["<s>", "</s>", "<pad>", "<|user|>"])
     tok = HFTokenizer(tmp_path)  # a folder works too

@@ -52,6 +52,7 @@ def header_lines(
         c.job.description or "titan_thd",
         f"model {c.model.name}/{c.model.flavor}: {num_params:,} parameters, vocab {model_args.vocab_size} "
         f"(tokenizer {tokenizer.vocab_size}), dtype {c.training.dtype}",
+        *([note] if (note := getattr(tokenizer, "added_tokens_note", str)()) else []),
         str(estimate_memory_per_rank(model, d, c.optimizer.name, dtype, muon_params)),
         *stage_lines,
     ]

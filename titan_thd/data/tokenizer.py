@@ -179,6 +179,17 @@ class HFTokenizer(Tokenizer):
         digest = hashlib.sha256(self._tok.to_str().encode("utf-8")).hexdigest()[:16]
         self.identity = f"hf-{digest}" + ("-deepseek-chat" if self.chat_format == "deepseek" else "")
 
+    def added_tokens_note(self) -> str:
+        """What the trainer added to this tokenizer and why (the run header prints it), or ""."""
+        if not self.added_tokens:
+            return ""
+        ids = [self._vocab[t] for t in self.added_tokens]
+        return (
+            f"tokenizer: added {len(ids)} special tokens the chat template needs and the tokenizer lacks "
+            f"({', '.join(self.added_tokens)}) as ids {min(ids)}..{max(ids)}, after its vocabulary; the "
+            "run's copy of the tokenizer (with them) is <job.dump_folder>/tokenizer/tokenizer.json"
+        )
+
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
