@@ -64,6 +64,9 @@ def main(argv: list[str] | None = None) -> int:
             batch_size=opts.batch_size,
             decoder=opts.decoder,
             keep_samples=opts.samples,
+            progress=lambda done, total, seconds: print(
+                f"evaluate: {done}/{total} problems answered, {seconds:.0f} s", file=sys.stderr, flush=True
+            ),
         )
     except (ValueError, FileNotFoundError, IsADirectoryError, PermissionError) as e:
         print(f"error: {one_line(e)}", file=sys.stderr)

@@ -110,9 +110,12 @@ def test_bad_input_is_one_error_line(checkpoint, extra, message, capsys):
 def test_evaluate_prints_the_accuracies(checkpoint, capsys):
     main = load_script("evaluate.py").main
     assert main(["--checkpoint", str(checkpoint), "--config", CONFIG, *MICRO, "--limit", "3"]) == 0
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
     all_line = next(line for line in out.splitlines() if line.startswith("all "))
     assert all_line.count("accuracy") == 2 and "3 held-out conversations" in out
+    problems = int(out.split("held-out conversations, ")[1].split()[0])
+    assert f"evaluate: {problems}/{problems} problems answered" in captured.err  # progress on stderr
 
 
 def test_layout_free_loading_keeps_the_weights(checkpoint):

@@ -29,7 +29,7 @@ import gzip
 import json
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -199,8 +199,10 @@ def evaluate(
     batch_size: int = 16,
     decoder: str = "auto",
     keep_samples: int = 0,
+    progress: Callable[[int, int, float], None] | None = None,
 ) -> EvalResult:
-    """Grade the model's greedy replies to every problem of `conversations` (module docstring)."""
+    """Grade the model's greedy replies to every problem of `conversations` (module docstring);
+    `progress(done, total, seconds)` is called after every batch."""
     t0 = time.perf_counter()
     result = EvalResult()
     stops = stop_ids(tokenizer)
@@ -259,6 +261,8 @@ def evaluate(
             t.format += grade.format
             if len(result.samples) < keep_samples:
                 result.samples.append((p.history[-1]["content"], reply, grade.exact))
+        if progress is not None:
+            progress(b + len(batch), len(todo), time.perf_counter() - t0)
     result.seconds = time.perf_counter() - t0
     return result
 
