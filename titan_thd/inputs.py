@@ -209,11 +209,6 @@ def validate_combinations(cfg: Config, spec: ModelSpec, model_args: Any) -> None
         p.tensor_parallel_degree,
         p.expert_parallel_degree,
     )
-    if tp > 1 and pp > 1:
-        raise ValueError(
-            f"parallelism.tensor_parallel_degree = {tp} with pipeline_parallel_degree = {pp}: "
-            "tensor and pipeline parallelism together are not implemented yet; set one of them to 1"
-        )
     if ep > 1 and tp > 1:
         raise ValueError(
             f"parallelism.expert_parallel_degree = {ep} with tensor_parallel_degree = {tp}: "

@@ -117,13 +117,7 @@ class ParallelDims:
         )
 
     def check_implemented(self) -> None:
-        """Layouts the trainer cannot run yet: tensor with pipeline parallelism (the stage boundary
-        would carry sequence-parallel rows), tensor with expert parallelism."""
-        if self.tp > 1 and self.pp > 1:
-            raise ValueError(
-                f"parallelism.tensor_parallel_degree = {self.tp} with pipeline_parallel_degree = {self.pp}: "
-                "tensor and pipeline parallelism together are not implemented yet; set one of them to 1"
-            )
+        """Layouts the trainer cannot run yet: tensor with expert parallelism."""
         if self.ep > 1 and self.tp > 1:
             raise ValueError(
                 f"parallelism.expert_parallel_degree = {self.ep} with tensor_parallel_degree = {self.tp}: "

@@ -41,6 +41,7 @@ from titan_thd.parallel.tensor_parallel import (
     ReplicatedPartialGrad,
     ShardedLocal,
     collect_replicated_grads,
+    present,
 )
 
 if TYPE_CHECKING:
@@ -113,7 +114,7 @@ def tp_plan(model: DSv4Model) -> dict[str, ParallelStyle]:
     }
     for name, block in model.layers.items():
         plan |= _block_plan(f"layers.{name}", block)
-    for j, block in enumerate(model.mtp):
+    for j, block in enumerate(model.mtp or ()):  # None off the last pipeline stage
         plan |= _block_plan(f"mtp.{j}", block)
         # The MTP input mixing and head run on the sequence-parallel rows too.
         plan |= {f"mtp.{j}.{m}": ReplicatedPartialGrad() for m in ("enorm", "hnorm", "e_proj", "h_proj")}
@@ -129,7 +130,7 @@ def apply_tp(model: DSv4Model, parallel_dims: ParallelDims) -> None:
     bad = {k: v for k, v in tp_divides(model.args).items() if v % parallel_dims.tp}
     if bad:  # the trainer refuses these at start-up; direct callers get the same rule here
         raise ValueError(f"tensor parallel degree {parallel_dims.tp} does not divide dsv4 {bad}")
-    parallelize_module(model, tp_mesh, tp_plan(model))
+    parallelize_module(model, tp_mesh, present(model, tp_plan(model)))
     for module in model.modules():
         if isinstance(module, Attention):  # the indexer-KL teacher sums its head mass over tp
             module.tp_group = tp_mesh.get_group()
