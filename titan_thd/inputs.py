@@ -189,7 +189,8 @@ def check_inputs(cfg: Config, world_size: int) -> Inputs:
         dims = ParallelDims.from_config(p, world_size)
     except ValueError as e:
         raise ValueError(
-            f"parallelism (data_parallel_shard_degree {p.data_parallel_shard_degree}, context_parallel_degree "
+            f"parallelism (data_parallel_replicate_degree {p.data_parallel_replicate_degree}, "
+            f"data_parallel_shard_degree {p.data_parallel_shard_degree}, context_parallel_degree "
             f"{p.context_parallel_degree}, tensor_parallel_degree {p.tensor_parallel_degree}, "
             f"pipeline_parallel_degree {p.pipeline_parallel_degree}, expert_parallel_degree "
             f"{p.expert_parallel_degree}) does not fit {world_size} processes: {e}"

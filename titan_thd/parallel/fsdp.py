@@ -44,7 +44,8 @@ def apply_fsdp(
     `mp_param_dtype` (e.g. bfloat16) is the dtype parameters are gathered in for compute; the
     sharded master weights and the gradient reduction stay in float32.
     """
-    assert fsdp_mesh is not None and fsdp_mesh.ndim == 1, fsdp_mesh
+    # 2-D: HSDP (replicate over dim 0, shard over dim 1), the sums stay sums across replicas too.
+    assert fsdp_mesh is not None and fsdp_mesh.ndim in (1, 2), fsdp_mesh
     if mp_param_dtype is None:
         mp_policy = MixedPrecisionPolicy()
     else:
