@@ -210,12 +210,6 @@ def validate_combinations(cfg: Config, spec: ModelSpec, model_args: Any) -> None
         p.tensor_parallel_degree,
         p.expert_parallel_degree,
     )
-    if ep > 1 and tp > 1:
-        raise ValueError(
-            f"parallelism.expert_parallel_degree = {ep} with tensor_parallel_degree = {tp}: "
-            "tensor parallelism splits every expert's hidden columns, expert parallelism places whole "
-            "experts; together they are not implemented yet (set one of them to 1)"
-        )
     if getattr(model_args, "attention_backend", "native") == "te" and cp > 1:
         raise ValueError(
             f"model.args.attention_backend = te with context_parallel_degree = {cp}: Transformer Engine "

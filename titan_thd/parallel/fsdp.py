@@ -33,12 +33,12 @@ def apply_fsdp(
     blocks: Iterable[nn.Module],
     mp_param_dtype: torch.dtype | None = None,
     reshard_after_forward: bool = True,
-    other_units: Iterable[tuple[nn.Module, DeviceMesh, int]] = (),
+    other_units: Iterable[tuple[nn.Module, DeviceMesh, int | Callable[[nn.Parameter], int]]] = (),
 ) -> nn.Module:
     """Shard `blocks` (each its own all-gather unit) and then the root over `fsdp_mesh`.
 
     `other_units` (unit, mesh, dim) are sharded first, each over its own mesh on the given
-    parameter dimension (expert-parallel routed experts over `efsdp` on dim 1, their dim 0 being
+    parameter dimension (or `dim(param)` per parameter) (expert-parallel routed experts over `efsdp` on dim 1, their dim 0 being
     ep's), so that their blocks leave them out.
 
     `mp_param_dtype` (e.g. bfloat16) is the dtype parameters are gathered in for compute; the
@@ -56,7 +56,7 @@ def apply_fsdp(
             mesh=mesh,
             mp_policy=mp_policy,
             reshard_after_forward=reshard_after_forward,
-            shard_placement_fn=lambda _p, dim=dim: Shard(dim),
+            shard_placement_fn=lambda p, dim=dim: Shard(dim(p) if callable(dim) else dim),
         )
     for block in blocks:
         fully_shard(block, mesh=fsdp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)

@@ -21,6 +21,11 @@ one rank of each run. Routed
 experts are sharded over `efsdp` only (each expert lives on one rank of every ep group); every
 other parameter over `fsdp`. Both exist only when ep > 1.
 
+Tensor with expert parallelism (docs/design.md §5.2): the routed experts stay split on their
+hidden columns over tp (expert tensor parallelism = tp) and whole experts over ep, a 2-D
+`ep_tp` mesh (ep outer, tp inner); an ep group holds one tp coordinate, so every tp rank
+dispatches the (identical) rows of its MoE region to the ep peers of its own tp coordinate.
+
 `loss` and `fsdp` span the same ranks and share one process group; they keep separate names
 because they answer different questions (the fsdp mesh is 2-D under HSDP, the loss mesh never).
 Under pipeline parallelism every stage is a dp x cp x tp grid of its own: `loss`, `fsdp`, `cp`
@@ -30,7 +35,6 @@ A world of one process builds no mesh and needs no process group: `get_optional_
 None and `mesh_rank` / `mesh_size` answer 0 / 1, so single-process training starts instantly.
 
     dims = ParallelDims.from_config(cfg.parallelism, world_size)   # validates, no process group
-    dims.check_implemented()
     dims.build_meshes("cpu")
     fsdp_mesh = dims.get_optional_mesh("fsdp")                     # None when nothing to shard
 """
@@ -59,6 +63,7 @@ MESH_SPANS: dict[str, tuple[str, ...]] = {
     "pp": ("pp",),
     "ep": ("dp_shard", "cp"),
     "efsdp": ("dp_replicate", "dp_shard", "cp"),
+    "ep_tp": ("dp_shard", "cp", "tp"),
 }
 """Named mesh -> the world-mesh axes it spans (see the table in the module docstring)."""
 
@@ -125,15 +130,6 @@ class ParallelDims:
             dp_replicate=cfg.data_parallel_replicate_degree,
         )
 
-    def check_implemented(self) -> None:
-        """Layouts the trainer cannot run yet: tensor with expert parallelism."""
-        if self.ep > 1 and self.tp > 1:
-            raise ValueError(
-                f"parallelism.expert_parallel_degree = {self.ep} with tensor_parallel_degree = {self.tp}: "
-                "tensor parallelism splits every expert's hidden columns, expert parallelism places whole "
-                "experts; together they are not implemented yet (set one of them to 1)"
-            )
-
     # ------------------------------------------------------------------ degrees
     @property
     def dp(self) -> int:
@@ -181,8 +177,12 @@ class ParallelDims:
 
     def mesh_size(self, name: str) -> int:
         """Degree of a named mesh, known before (and without) building meshes."""
-        if name in ("ep", "efsdp"):
-            return self.ep if name == "ep" else self.dp_replicate * self.efsdp_degree
+        if name in ("ep", "efsdp", "ep_tp"):
+            return {
+                "ep": self.ep,
+                "efsdp": self.dp_replicate * self.efsdp_degree,
+                "ep_tp": self.ep * self.tp,
+            }[name]
         degrees = {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard}
         degrees |= {"cp": self.cp, "tp": self.tp}
         return math.prod(degrees[axis] for axis in _spans(name))
@@ -212,6 +212,13 @@ class ParallelDims:
             grid = dp_cp._unflatten(0, sizes, ("e_replicate", "efsdp", "ep"))
             efsdp = grid["e_replicate", "efsdp"] if self.hsdp_enabled else grid["efsdp"]
             self._meshes |= {"ep": grid["ep"], "efsdp": efsdp}
+        if self.ep > 1 and self.tp > 1:  # the same ep groups, each with its tp peers
+            sizes = (self.dp_replicate, self.efsdp_degree, self.ep, self.tp)
+            names = ("x_replicate", "x_efsdp", "x_ep", "x_tp")
+            full = (
+                world["dp_replicate", "dp_shard", "cp", "tp"]._flatten("dp_cp_tp")._unflatten(0, sizes, names)
+            )
+            self._meshes["ep_tp"] = full["x_ep", "x_tp"]
         for name in self._meshes:
             assert self._meshes[name].size() == self.mesh_size(name), (name, self._meshes[name], self)
 
