@@ -204,12 +204,7 @@ def validate_combinations(cfg: Config, spec: ModelSpec, model_args: Any) -> None
     """What each parallelism's own rules accept but the combination cannot run (yet), and the
     switches a model must opt into (from the degrees alone: before they are fitted to the world)."""
     p = cfg.parallelism
-    pp, cp, tp, ep = (
-        p.pipeline_parallel_degree,
-        p.context_parallel_degree,
-        p.tensor_parallel_degree,
-        p.expert_parallel_degree,
-    )
+    pp, cp = p.pipeline_parallel_degree, p.context_parallel_degree
     if getattr(model_args, "attention_backend", "native") == "te" and cp > 1:
         raise ValueError(
             f"model.args.attention_backend = te with context_parallel_degree = {cp}: Transformer Engine "

@@ -95,7 +95,8 @@ class ParallelDims:
             if self.world_size % others:
                 raise ValueError(
                     f"pp {self.pp}{rep} × cp {self.cp} × tp {self.tp} = {others} does not divide world size "
-                    f"{self.world_size} (data_parallel_shard_degree = -1 takes the processes left over)"
+                    f"{self.world_size} (data_parallel_shard_degree = -1 takes the processes left over); "
+                    f"{self._nearest_fits()}"
                 )
             self.dp_shard = self.world_size // others
         elif self.dp_shard < 1:
@@ -117,6 +118,21 @@ class ParallelDims:
                 f"{self.cp} = {shard} (the experts are split over the data- and context-parallel ranks of one "
                 f"replica); the nearest valid degrees are {_nearest(self.ep, ok)} (valid: {', '.join(map(str, ok))})"
             )
+
+    def _nearest_fits(self) -> str:
+        """For each degree > 1 of pp, dp_replicate, cp, tp: the nearest values that make the product
+        of the four divide the world (the others unchanged)."""
+        degrees = {"pp": self.pp, "dp_replicate": self.dp_replicate, "cp": self.cp, "tp": self.tp}
+        parts = []
+        for name, value in degrees.items():
+            if value == 1:
+                continue
+            rest = math.prod(degrees.values()) // value
+            room = self.world_size // rest if self.world_size % rest == 0 else 0
+            valid = [d for d in range(1, room + 1) if room % d == 0] if room else []
+            if valid:
+                parts.append(f"{name} {_nearest(value, valid)}")
+        return "nearest valid degrees: " + (", ".join(parts) if parts else "none with the others unchanged")
 
     @classmethod
     def from_config(cls, cfg: Parallelism, world_size: int) -> ParallelDims:
