@@ -23,6 +23,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from titan_thd.parallel.parallel_dims import ParallelDims
 
@@ -167,7 +168,8 @@ def _sharded_numel(p: DTensor) -> int:
     every mesh dimension's `Shard(dim)` cutting its dimension in turn."""
     shape = list(p.shape)
     for i, placement in enumerate(p.placements):
-        if isinstance(placement, Shard):  # _StridedShard too: the same share of the dimension
+        # _StridedShard (FSDP over a TP shard) is no Shard subclass in torch 2.13: the same share.
+        if isinstance(placement, Shard | _StridedShard):
             shape[placement.dim] = math.ceil(shape[placement.dim] / p.device_mesh.size(i))
     return math.prod(shape)
 
