@@ -15,8 +15,9 @@ Default suite (one 4-process spawn, 2 steps each):
 - dsv4 EP2 x TP2 (experts split by expert over ep and by hidden column over tp).
 Extended: dsv4 PP2 x TP2 (GPipe), llama PP2 x TP2 (1F1B), dsv4 HSDP 2 x 2 with EP2; DCP resume of
 a PP2 x TP2 checkpoint on HSDP 2 x 2 and of an HSDP 2 x 2 checkpoint on PP2 x TP2 (tp x pp and
-replicate x shard both change); and PP2 x HSDP (2 x 2) x CP2 x TP2 x EP2 on 16 processes for dsv4
-(five dimensions > 1 need 16: pp, dp, cp and tp each take processes, ep is carved out of dp x cp).
+replicate x shard both change); and PP2 x DP2 x CP2 x TP2 x EP2 on 16 processes for dsv4 (five
+dimensions > 1 need 16: pp, dp, cp and tp each take processes, ep is carved out of dp_shard x cp;
+the dp 2 are HSDP replicas, each sharding its parameters over its 2 cp ranks).
 """
 
 from __future__ import annotations
@@ -60,7 +61,14 @@ RESUMES = {  # resumed run -> (the run whose step-SPLIT checkpoint it continues,
     "llama-hsdp-from-pp2-tp2": ("llama-pp2-tp2-1f1b", HSDP),
     "llama-pp2-tp2-from-hsdp": ("llama-hsdp2x2-3", [*PP2, *TP2]),
 }
-FIVE_D = ("dsv4", 16, [*PP2, *HSDP, *CP2, *TP2, *EP2], SPLIT)
+# pp 2 x dp 2 (HSDP: 2 replicas, each sharded over its 2 cp ranks) x cp 2 x tp 2, ep 2 over the cp ranks
+REPLICAS2 = [
+    "--parallelism.data_parallel_replicate_degree",
+    "2",
+    "--parallelism.data_parallel_shard_degree",
+    "1",
+]
+FIVE_D = ("dsv4", 16, [*PP2, *REPLICAS2, *CP2, *TP2, *EP2], SPLIT)
 
 
 def config(dump: Path, model: str, steps: int, *extra: str):
