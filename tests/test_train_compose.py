@@ -189,7 +189,7 @@ def test_tp_pp_hsdp_tp_ep_match_one_process(base):
         _compare(base, name, model)
     # What sharded the parameters: HSDP's 2-D mesh; the experts' (efsdp, ep, tp) under TP x EP.
     assert ("replicate", "shard") in meshes["llama-hsdp2x2"]
-    assert ("x_ep", "x_tp") in [m[-2:] for m in meshes["dsv4-ep2-tp2"]]
+    assert ("expert_ep", "expert_tp") in [m[-2:] for m in meshes["dsv4-ep2-tp2"]]
     assert ("tp",) in [m[-1:] for m in meshes["llama-pp2-tp2-interleaved"]]
 
 

@@ -70,7 +70,7 @@ def test_dsv4_experts_under_tp_ep_hsdp(dims):
     for name, hidden, width in (("w1", 1, 2), ("w3", 1, 2), ("w2", 2, 1)):
         p = getattr(experts, name)
         assert isinstance(p, DTensor) and p.device_mesh.ndim == 4, name
-        assert p.device_mesh.mesh_dim_names[-2:] == ("x_ep", "x_tp")
+        assert p.device_mesh.mesh_dim_names[-2:] == ("expert_ep", "expert_tp")
         assert p.placements[-2:] == (Shard(0), Shard(hidden)) and p.placements[1] == Shard(width), (
             p.placements
         )

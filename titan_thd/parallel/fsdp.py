@@ -25,7 +25,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from titan_thd.parallel.parallel_dims import ParallelDims
+from titan_thd.parallel.parallel_dims import EP_TP_DIMS, ParallelDims
 
 
 def apply_fsdp(
@@ -148,7 +148,7 @@ def local_numel(shape: torch.Size | tuple[int, ...], shards: int, shard_rank: in
     return local_rows * math.prod(shape[1:])
 
 
-_MODEL_PARALLEL_DIMS = ("tp", "ep")
+_MODEL_PARALLEL_DIMS = ("tp", "ep", *EP_TP_DIMS)
 """Mesh dimensions that split a parameter for compute (FSDP's all-gather stops at them)."""
 
 

@@ -66,6 +66,8 @@ MESH_SPANS: dict[str, tuple[str, ...]] = {
     "ep_tp": ("dp_shard", "cp", "tp"),
 }
 """Named mesh -> the world-mesh axes it spans (see the table in the module docstring)."""
+EP_TP_DIMS = ("expert_ep", "expert_tp")
+"""Dimension names of the `ep_tp` mesh (a mesh's names are unique in its root: not "ep" / "tp")."""
 
 
 @dataclass
@@ -230,11 +232,11 @@ class ParallelDims:
             self._meshes |= {"ep": grid["ep"], "efsdp": efsdp}
         if self.ep > 1 and self.tp > 1:  # the same ep groups, each with its tp peers
             sizes = (self.dp_replicate, self.efsdp_degree, self.ep, self.tp)
-            names = ("x_replicate", "x_efsdp", "x_ep", "x_tp")
+            names = ("expert_replicate", "expert_efsdp", *EP_TP_DIMS)
             full = (
                 world["dp_replicate", "dp_shard", "cp", "tp"]._flatten("dp_cp_tp")._unflatten(0, sizes, names)
             )
-            self._meshes["ep_tp"] = full["x_ep", "x_tp"]
+            self._meshes["ep_tp"] = full[EP_TP_DIMS]
         for name in self._meshes:
             assert self._meshes[name].size() == self.mesh_size(name), (name, self._meshes[name], self)
 
