@@ -172,7 +172,7 @@ def _compare(base: Path, name: str, model: str, reference: str | None = None) ->
     assert steps and steps == [r["step"] for r in one], (name, steps)
     for a, b in zip(one, got, strict=True):
         print(
-            f"{name} step {a['step']}: "
+            f"{name} step {a['step']} (K {b['num_microbatches']}): "
             + ", ".join(f"{k} rel {abs(b[k] / a[k] - 1):.1e}" for k in KEYS if k in a)
         )
         assert b.keys() == a.keys() and b["tokens_trained"] == a["tokens_trained"]

@@ -39,8 +39,8 @@ def apply_fsdp(
     """Shard `blocks` (each its own all-gather unit) and then the root over `fsdp_mesh`.
 
     `other_units` (unit, mesh, dim) are sharded first, each over its own mesh on the given
-    parameter dimension (or `dim(param)` per parameter) (expert-parallel routed experts over `efsdp` on dim 1, their dim 0 being
-    ep's), so that their blocks leave them out.
+    parameter dimension, or `dim(param)` per parameter (expert-parallel routed experts over `efsdp`
+    on dim 1, their dim 0 being ep's), so that their blocks leave them out.
 
     `mp_param_dtype` (e.g. bfloat16) is the dtype parameters are gathered in for compute; the
     sharded master weights and the gradient reduction stay in float32.

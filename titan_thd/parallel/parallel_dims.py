@@ -1,27 +1,29 @@
 """ParallelDims: the parallel degrees of a run and the named device meshes built from them.
 
 One world mesh, axes outermost first: ``("pp", "dp_replicate", "dp_shard", "cp", "tp")``; dp is
-dp_replicate x dp_shard (the data-parallel ranks: each reads its own share of the batch). Code never indexes a mesh by
-position; it asks for a *named* mesh, and every name has exactly one purpose:
+dp_replicate x dp_shard (the data-parallel ranks: each reads its own share of the batch). Code
+never indexes a mesh by position; it asks for a *named* mesh, and every name has exactly one
+purpose (under HSDP, dp_replicate > 1, `fsdp` is the 2-D (replicate, shard) mesh: parameters
+sharded over dp_shard x cp, gradients all-reduced across the replicas; `efsdp` likewise):
 
 | name    | spans   | purpose                                                                 |
 |---------|---------|-------------------------------------------------------------------------|
 | `batch` | dp      | data loading: which share of the global batch this rank reads          |
 | `loss`  | dp x cp | loss and trained-token-count reduction (every rank that holds tokens)   |
-| `fsdp`  | dp x cp | parameter sharding (FSDP2); CP ranks hold the same weights, so they shard too; with dp_replicate > 1 a 2-D (replicate, shard) mesh: HSDP, parameters sharded over dp_shard x cp, gradients all-reduced across the replicas |
+| `fsdp`  | dp x cp | parameter sharding (FSDP2); CP ranks hold the same weights, so they shard too |
 | `cp`    | cp      | context parallelism: ranks that split one microbatch's tokens           |
 | `tp`    | tp      | tensor parallelism: ranks that split heads / columns of one microbatch   |
 | `pp`    | pp      | pipeline stages: ranks with the same (dp, cp, tp) coordinate, one per stage |
 | `ep`    | ep      | expert parallelism: consecutive dp_shard x cp ranks that split the routed experts |
-| `efsdp` | dp x cp / ep | FSDP of the routed experts: the ranks holding the same experts (one per ep group); 2-D (replicate, efsdp) with dp_replicate > 1 |
+| `efsdp` | dp x cp / ep | FSDP of the routed experts: the ranks holding the same experts (one per ep group) |
+| `ep_tp` | ep x tp | TP x EP: the routed experts' mesh, whole experts over ep, hidden columns over tp |
 
 `ep` and `efsdp` split the dp_shard x cp ranks of one replica (flattened, cp fastest) into a
 (efsdp, ep) grid: ep groups are runs of `ep` consecutive dp_shard x cp ranks, efsdp groups take
-one rank of each run. Routed
-experts are sharded over `efsdp` only (each expert lives on one rank of every ep group); every
-other parameter over `fsdp`. Both exist only when ep > 1.
+one rank of each run. Routed experts are sharded over `efsdp` only (each expert lives on one rank
+of every ep group); every other parameter over `fsdp`. Both exist only when ep > 1.
 
-Tensor with expert parallelism (docs/design.md §5.2): the routed experts stay split on their
+Tensor with expert parallelism (docs/design.md §5.4): the routed experts stay split on their
 hidden columns over tp (expert tensor parallelism = tp) and whole experts over ep, a 2-D
 `ep_tp` mesh (ep outer, tp inner); an ep group holds one tp coordinate, so every tp rank
 dispatches the (identical) rows of its MoE region to the ep peers of its own tp coordinate.
@@ -118,7 +120,8 @@ class ParallelDims:
             raise ValueError(
                 f"parallelism.expert_parallel_degree = {self.ep} does not divide dp_shard {self.dp_shard} × cp "
                 f"{self.cp} = {shard} (the experts are split over the data- and context-parallel ranks of one "
-                f"replica); the nearest valid degrees are {_nearest(self.ep, ok)} (valid: {', '.join(map(str, ok))})"
+                f"replica); the nearest valid degrees are {_nearest(self.ep, ok)} "
+                f"(valid: {', '.join(map(str, ok))})"
             )
 
     def _nearest_fits(self) -> str:
