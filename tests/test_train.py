@@ -101,8 +101,8 @@ def test_attention_cost_weight_reads_the_flops_formula(trainer):
         ),
         (
             "4",
-            ["--parallelism.tensor_parallel_degree", "2", "--parallelism.pipeline_parallel_degree", "2"],
-            r"tensor and pipeline parallelism together are not implemented yet",
+            ["--parallelism.data_parallel_replicate_degree", "3"],
+            r"pp 1 × dp_replicate 3 × cp 1 × tp 1 = 3 does not divide world size 4",
         ),
         (
             "4",

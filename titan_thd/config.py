@@ -192,6 +192,11 @@ class LRScheduler:
 class Parallelism:
     data_parallel_shard_degree: int = -1
     """FSDP degree; -1 = the processes left after the other degrees."""
+    data_parallel_replicate_degree: int = 1
+    """HSDP replicas: data-parallel groups that each hold a full copy of the parameters, sharded over
+    their data_parallel_shard_degree x context_parallel_degree ranks; gradients are reduce-scattered
+    inside a replica and all-reduced across replicas. Every replica x shard rank reads its own share
+    of the batch (the planner's data-parallel ranks)."""
     context_parallel_degree: int = 1
     """Ranks that split one microbatch's tokens."""
     context_parallel_mode: CPConfigMode = "auto"

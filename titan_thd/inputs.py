@@ -189,7 +189,8 @@ def check_inputs(cfg: Config, world_size: int) -> Inputs:
         dims = ParallelDims.from_config(p, world_size)
     except ValueError as e:
         raise ValueError(
-            f"parallelism (data_parallel_shard_degree {p.data_parallel_shard_degree}, context_parallel_degree "
+            f"parallelism (data_parallel_replicate_degree {p.data_parallel_replicate_degree}, "
+            f"data_parallel_shard_degree {p.data_parallel_shard_degree}, context_parallel_degree "
             f"{p.context_parallel_degree}, tensor_parallel_degree {p.tensor_parallel_degree}, "
             f"pipeline_parallel_degree {p.pipeline_parallel_degree}, expert_parallel_degree "
             f"{p.expert_parallel_degree}) does not fit {world_size} processes: {e}"
@@ -203,23 +204,7 @@ def validate_combinations(cfg: Config, spec: ModelSpec, model_args: Any) -> None
     """What each parallelism's own rules accept but the combination cannot run (yet), and the
     switches a model must opt into (from the degrees alone: before they are fitted to the world)."""
     p = cfg.parallelism
-    pp, cp, tp, ep = (
-        p.pipeline_parallel_degree,
-        p.context_parallel_degree,
-        p.tensor_parallel_degree,
-        p.expert_parallel_degree,
-    )
-    if tp > 1 and pp > 1:
-        raise ValueError(
-            f"parallelism.tensor_parallel_degree = {tp} with pipeline_parallel_degree = {pp}: "
-            "tensor and pipeline parallelism together are not implemented yet; set one of them to 1"
-        )
-    if ep > 1 and tp > 1:
-        raise ValueError(
-            f"parallelism.expert_parallel_degree = {ep} with tensor_parallel_degree = {tp}: "
-            "tensor parallelism splits every expert's hidden columns, expert parallelism places whole "
-            "experts; together they are not implemented yet (set one of them to 1)"
-        )
+    pp, cp = p.pipeline_parallel_degree, p.context_parallel_degree
     if getattr(model_args, "attention_backend", "native") == "te" and cp > 1:
         raise ValueError(
             f"model.args.attention_backend = te with context_parallel_degree = {cp}: Transformer Engine "

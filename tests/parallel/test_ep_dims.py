@@ -104,13 +104,18 @@ def _cfg(tmp_path, *extra):
         (
             6,
             ("--parallelism.expert_parallel_degree", "4"),
-            r"expert_parallel_degree = 4 does not divide dp 6 × cp 1 = 6",
+            r"expert_parallel_degree = 4 does not divide dp_shard 6 × cp 1 = 6 .*nearest valid degrees are 3 or 6",
         ),
         (2, ("--parallelism.expert_parallel_degree", "0"), r"expert_parallel_degree: got 0"),
-        (
+        (  # ep lives inside one HSDP replica: dp_shard x cp = 1 here
             4,
-            ("--parallelism.expert_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2"),
-            r"tensor_parallel_degree",
+            (
+                "--parallelism.expert_parallel_degree",
+                "2",
+                "--parallelism.data_parallel_replicate_degree",
+                "4",
+            ),
+            r"expert_parallel_degree = 2 does not divide dp_shard 1 × cp 1 = 1",
         ),
     ],
 )

@@ -56,11 +56,3 @@ def test_unknown_mesh_name():
     dims = ParallelDims(pp=1, dp_shard=-1, cp=1, tp=1, world_size=1)
     with pytest.raises(ValueError, match="unknown mesh name 'dp_shard_cp'.*batch, loss, fsdp"):
         dims.get_optional_mesh("dp_shard_cp")
-
-
-def test_check_implemented():
-    ParallelDims(pp=1, dp_shard=2, cp=2, tp=1, world_size=4).check_implemented()
-    ParallelDims(pp=1, dp_shard=1, cp=2, tp=2, world_size=4).check_implemented()
-    with pytest.raises(ValueError, match="tensor_parallel_degree = 2 with pipeline_parallel_degree = 2: "):
-        ParallelDims(pp=2, dp_shard=1, cp=1, tp=2, world_size=4).check_implemented()
-    ParallelDims(pp=4, dp_shard=1, cp=1, tp=1, world_size=4).check_implemented()  # pipelines train

@@ -65,8 +65,9 @@ def header_lines(
     )
     lines.append(f"hardware: {hardware.detect(device).describe()}{ns}")
     ep = f", ep {d.ep} (experts sharded over efsdp {d.efsdp_degree})" if d.ep_enabled else ""
+    hsdp = f" (HSDP: {d.dp_replicate} replicas x {d.dp_shard} shards)" if d.hsdp_enabled else ""
     lines.append(
-        f"world {d.world_size} on {device}{' (fake process group)' if fake else ''}: dp {d.dp}, cp {d.cp} "
+        f"world {d.world_size} on {device}{' (fake process group)' if fake else ''}: dp {d.dp}{hsdp}, cp {d.cp} "
         f"({cp_mode}), tp {d.tp}, pp {d.pp}{ep}"
     )
     counts = loader.overlong_counts

@@ -46,19 +46,29 @@ EXPERT_WEIGHTS = ("w1", "w2", "w3")
 """The stacked parameters of `moe.experts`, each [E, out, in]."""
 
 
-def apply_ep(moes: list[nn.Module], mesh: DeviceMesh) -> None:
+def apply_ep(moes: list[nn.Module], mesh: DeviceMesh, ep_tp_mesh: DeviceMesh | None = None) -> None:
     """Shard every MoE's experts over the 1-D ep `mesh` (`Shard(0)`: rank r holds
-    `local_expert_ids(E, ep, r)`) and route through its group."""
+    `local_expert_ids(E, ep, r)`) and route through its group.
+
+    Under tensor parallelism (`ep_tp_mesh`: the 2-D (ep, tp) mesh) the stacks arrive split on their
+    hidden columns over tp (the TP plan ran first); they become DTensors on (ep, tp) with
+    `[Shard(0), Shard(hidden dim)]`: expert tensor parallelism equal to tp, so the MoE region's
+    output stays a partial sum over tp and its reduce-scatter completes it."""
     for moe in moes:
         ids = local_expert_ids(moe.n_experts, mesh.size(), mesh.get_local_rank())
         for name in EXPERT_WEIGHTS:
             p = getattr(moe.experts, name)
-            assert not isinstance(p, DTensor) and p.shape[0] == moe.n_experts, (name, p.shape)
+            assert p.shape[0] == moe.n_experts and isinstance(p, DTensor) == (ep_tp_mesh is not None), name
+            placements, out_mesh, data = [Shard(0)], mesh, p.data
+            if ep_tp_mesh is not None:  # this tp rank's hidden columns of every expert
+                (tp_placement,) = p.placements
+                assert isinstance(tp_placement, Shard) and tp_placement.dim != 0, (name, p.placements)
+                placements, out_mesh, data = [Shard(0), tp_placement], ep_tp_mesh, p.to_local()
             # Every rank holds the full stack (built from one seed): keep a copy of the local slice
             # (no scatter; a view would keep the whole stack's storage alive).
-            mine = p.data[ids.start : ids.stop].clone()
+            mine = data[ids.start : ids.stop].clone()
             shard = DTensor.from_local(
-                mine, mesh, [Shard(0)], run_check=False, shape=p.shape, stride=p.stride()
+                mine, out_mesh, placements, run_check=False, shape=p.shape, stride=p.stride()
             )
             moe.experts.register_parameter(name, nn.Parameter(shard, requires_grad=p.requires_grad))
         moe.ep_group = mesh.get_group()

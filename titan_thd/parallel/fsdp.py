@@ -23,8 +23,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
-from titan_thd.parallel.parallel_dims import ParallelDims
+from titan_thd.parallel.parallel_dims import EP_TP_DIMS, ParallelDims
 
 
 def apply_fsdp(
@@ -33,18 +34,19 @@ def apply_fsdp(
     blocks: Iterable[nn.Module],
     mp_param_dtype: torch.dtype | None = None,
     reshard_after_forward: bool = True,
-    other_units: Iterable[tuple[nn.Module, DeviceMesh, int]] = (),
+    other_units: Iterable[tuple[nn.Module, DeviceMesh, int | Callable[[nn.Parameter], int]]] = (),
 ) -> nn.Module:
     """Shard `blocks` (each its own all-gather unit) and then the root over `fsdp_mesh`.
 
     `other_units` (unit, mesh, dim) are sharded first, each over its own mesh on the given
-    parameter dimension (expert-parallel routed experts over `efsdp` on dim 1, their dim 0 being
-    ep's), so that their blocks leave them out.
+    parameter dimension, or `dim(param)` per parameter (expert-parallel routed experts over `efsdp`
+    on dim 1, their dim 0 being ep's), so that their blocks leave them out.
 
     `mp_param_dtype` (e.g. bfloat16) is the dtype parameters are gathered in for compute; the
     sharded master weights and the gradient reduction stay in float32.
     """
-    assert fsdp_mesh is not None and fsdp_mesh.ndim == 1, fsdp_mesh
+    # 2-D: HSDP (replicate over dim 0, shard over dim 1), the sums stay sums across replicas too.
+    assert fsdp_mesh is not None and fsdp_mesh.ndim in (1, 2), fsdp_mesh
     if mp_param_dtype is None:
         mp_policy = MixedPrecisionPolicy()
     else:
@@ -55,7 +57,7 @@ def apply_fsdp(
             mesh=mesh,
             mp_policy=mp_policy,
             reshard_after_forward=reshard_after_forward,
-            shard_placement_fn=lambda _p, dim=dim: Shard(dim),
+            shard_placement_fn=lambda p, dim=dim: Shard(dim(p) if callable(dim) else dim),
         )
     for block in blocks:
         fully_shard(block, mesh=fsdp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
@@ -146,7 +148,7 @@ def local_numel(shape: torch.Size | tuple[int, ...], shards: int, shard_rank: in
     return local_rows * math.prod(shape[1:])
 
 
-_MODEL_PARALLEL_DIMS = ("tp", "ep")
+_MODEL_PARALLEL_DIMS = ("tp", "ep", *EP_TP_DIMS)
 """Mesh dimensions that split a parameter for compute (FSDP's all-gather stops at them)."""
 
 
@@ -166,7 +168,8 @@ def _sharded_numel(p: DTensor) -> int:
     every mesh dimension's `Shard(dim)` cutting its dimension in turn."""
     shape = list(p.shape)
     for i, placement in enumerate(p.placements):
-        if isinstance(placement, Shard):  # _StridedShard too: the same share of the dimension
+        # _StridedShard (FSDP over a TP shard) is no Shard subclass in torch 2.13: the same share.
+        if isinstance(placement, Shard | _StridedShard):
             shape[placement.dim] = math.ceil(shape[placement.dim] / p.device_mesh.size(i))
     return math.prod(shape)
 

@@ -1,7 +1,10 @@
 """ParallelDims: the parallel degrees of a run and the named device meshes built from them.
 
-One world mesh, axes outermost first: ``("pp", "dp", "cp", "tp")``. Code never indexes a mesh by
-position; it asks for a *named* mesh, and every name has exactly one purpose:
+One world mesh, axes outermost first: ``("pp", "dp_replicate", "dp_shard", "cp", "tp")``; dp is
+dp_replicate x dp_shard (the data-parallel ranks: each reads its own share of the batch). Code
+never indexes a mesh by position; it asks for a *named* mesh, and every name has exactly one
+purpose (under HSDP, dp_replicate > 1, `fsdp` is the 2-D (replicate, shard) mesh: parameters
+sharded over dp_shard x cp, gradients all-reduced across the replicas; `efsdp` likewise):
 
 | name    | spans   | purpose                                                                 |
 |---------|---------|-------------------------------------------------------------------------|
@@ -11,16 +14,22 @@ position; it asks for a *named* mesh, and every name has exactly one purpose:
 | `cp`    | cp      | context parallelism: ranks that split one microbatch's tokens           |
 | `tp`    | tp      | tensor parallelism: ranks that split heads / columns of one microbatch   |
 | `pp`    | pp      | pipeline stages: ranks with the same (dp, cp, tp) coordinate, one per stage |
-| `ep`    | ep      | expert parallelism: consecutive dp x cp ranks that split the routed experts |
+| `ep`    | ep      | expert parallelism: consecutive dp_shard x cp ranks that split the routed experts |
 | `efsdp` | dp x cp / ep | FSDP of the routed experts: the ranks holding the same experts (one per ep group) |
+| `ep_tp` | ep x tp | TP x EP: the routed experts' mesh, whole experts over ep, hidden columns over tp |
 
-`ep` and `efsdp` split the dp x cp ranks (flattened, cp fastest) into a (efsdp, ep) grid: ep
-groups are runs of `ep` consecutive dp x cp ranks, efsdp groups take one rank of each run. Routed
-experts are sharded over `efsdp` only (each expert lives on one rank of every ep group); every
-other parameter over `fsdp`. Both exist only when ep > 1.
+`ep` and `efsdp` split the dp_shard x cp ranks of one replica (flattened, cp fastest) into a
+(efsdp, ep) grid: ep groups are runs of `ep` consecutive dp_shard x cp ranks, efsdp groups take
+one rank of each run. Routed experts are sharded over `efsdp` only (each expert lives on one rank
+of every ep group); every other parameter over `fsdp`. Both exist only when ep > 1.
+
+Tensor with expert parallelism (docs/design.md §5.4): the routed experts stay split on their
+hidden columns over tp (expert tensor parallelism = tp) and whole experts over ep, a 2-D
+`ep_tp` mesh (ep outer, tp inner); an ep group holds one tp coordinate, so every tp rank
+dispatches the (identical) rows of its MoE region to the ep peers of its own tp coordinate.
 
 `loss` and `fsdp` span the same ranks and share one process group; they keep separate names
-because they answer different questions (and would differ with replicated data parallelism).
+because they answer different questions (the fsdp mesh is 2-D under HSDP, the loss mesh never).
 Under pipeline parallelism every stage is a dp x cp x tp grid of its own: `loss`, `fsdp`, `cp`
 and `batch` are the meshes of this rank's stage (pp is the outermost axis).
 
@@ -28,7 +37,6 @@ A world of one process builds no mesh and needs no process group: `get_optional_
 None and `mesh_rank` / `mesh_size` answer 0 / 1, so single-process training starts instantly.
 
     dims = ParallelDims.from_config(cfg.parallelism, world_size)   # validates, no process group
-    dims.check_implemented()
     dims.build_meshes("cpu")
     fsdp_mesh = dims.get_optional_mesh("fsdp")                     # None when nothing to shard
 """
@@ -45,20 +53,23 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 if TYPE_CHECKING:  # annotations only: config imports parallel.context_parallel
     from titan_thd.config import Parallelism
 
-MESH_AXES = ("pp", "dp", "cp", "tp")
+MESH_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 """Axes of the world mesh, outermost (slowest-varying rank index) first."""
 
 MESH_SPANS: dict[str, tuple[str, ...]] = {
-    "batch": ("dp",),
-    "loss": ("dp", "cp"),
-    "fsdp": ("dp", "cp"),
+    "batch": ("dp_replicate", "dp_shard"),
+    "loss": ("dp_replicate", "dp_shard", "cp"),
+    "fsdp": ("dp_replicate", "dp_shard", "cp"),
     "cp": ("cp",),
     "tp": ("tp",),
     "pp": ("pp",),
-    "ep": ("dp", "cp"),
-    "efsdp": ("dp", "cp"),
+    "ep": ("dp_shard", "cp"),
+    "efsdp": ("dp_replicate", "dp_shard", "cp"),
+    "ep_tp": ("dp_shard", "cp", "tp"),
 }
 """Named mesh -> the world-mesh axes it spans (see the table in the module docstring)."""
+EP_TP_DIMS = ("expert_ep", "expert_tp")
+"""Dimension names of the `ep_tp` mesh (a mesh's names are unique in its root: not "ep" / "tp")."""
 
 
 @dataclass
@@ -70,22 +81,26 @@ class ParallelDims:
     tp: int
     world_size: int
     ep: int = 1
-    """Expert-parallel degree: carved out of dp x cp (consecutive ranks), no extra processes."""
+    """Expert-parallel degree: carved out of dp_shard x cp (consecutive ranks), no extra processes."""
+    dp_replicate: int = 1
+    """HSDP replicas: data-parallel ranks that hold the same parameter shards (gradients all-reduced)."""
     _meshes: dict[str, DeviceMesh] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        degrees = {"pp": self.pp, "cp": self.cp, "tp": self.tp}
+        degrees = {"pp": self.pp, "cp": self.cp, "tp": self.tp, "dp_replicate": self.dp_replicate}
         for name, value in degrees.items():
             if value < 1:
                 raise ValueError(f"parallel degree {name} = {value}: expected >= 1")
         if self.world_size < 1:
             raise ValueError(f"world size = {self.world_size}: expected >= 1")
-        others = self.pp * self.cp * self.tp
+        others = self.pp * self.dp_replicate * self.cp * self.tp
+        rep = f" × dp_replicate {self.dp_replicate}" if self.dp_replicate > 1 else ""
         if self.dp_shard == -1:
             if self.world_size % others:
                 raise ValueError(
-                    f"pp {self.pp} × cp {self.cp} × tp {self.tp} = {others} does not divide world size "
-                    f"{self.world_size} (data_parallel_shard_degree = -1 takes the processes left over)"
+                    f"pp {self.pp}{rep} × cp {self.cp} × tp {self.tp} = {others} does not divide world size "
+                    f"{self.world_size} (data_parallel_shard_degree = -1 takes the processes left over); "
+                    f"{self._nearest_fits()}"
                 )
             self.dp_shard = self.world_size // others
         elif self.dp_shard < 1:
@@ -93,17 +108,36 @@ class ParallelDims:
         product = others * self.dp_shard
         if product != self.world_size:
             raise ValueError(
-                f"parallel degrees multiply to {product} (pp {self.pp} × dp_shard {self.dp_shard} × cp {self.cp} "
-                f"× tp {self.tp}) but the world has {self.world_size} processes; set "
+                f"parallel degrees multiply to {product} (pp {self.pp}{rep} × dp_shard {self.dp_shard} × cp "
+                f"{self.cp} × tp {self.tp}) but the world has {self.world_size} processes; set "
                 f"parallelism.data_parallel_shard_degree = -1 to give data parallelism the rest"
             )
         if self.ep < 1:
             raise ValueError(f"parallel degree ep = {self.ep}: expected >= 1")
-        if (self.dp * self.cp) % self.ep:
+        if (self.dp_shard * self.cp) % self.ep:
+            shard = self.dp_shard * self.cp
+            ok = [d for d in range(1, shard + 1) if shard % d == 0]
             raise ValueError(
-                f"parallelism.expert_parallel_degree = {self.ep} does not divide dp {self.dp} × cp {self.cp} "
-                f"= {self.dp * self.cp} (the experts are split over data- and context-parallel ranks)"
+                f"parallelism.expert_parallel_degree = {self.ep} does not divide dp_shard {self.dp_shard} × cp "
+                f"{self.cp} = {shard} (the experts are split over the data- and context-parallel ranks of one "
+                f"replica); the nearest valid degrees are {_nearest(self.ep, ok)} "
+                f"(valid: {', '.join(map(str, ok))})"
             )
+
+    def _nearest_fits(self) -> str:
+        """For each degree > 1 of pp, dp_replicate, cp, tp: the nearest values that make the product
+        of the four divide the world (the others unchanged)."""
+        degrees = {"pp": self.pp, "dp_replicate": self.dp_replicate, "cp": self.cp, "tp": self.tp}
+        parts = []
+        for name, value in degrees.items():
+            if value == 1:
+                continue
+            rest = math.prod(degrees.values()) // value
+            room = self.world_size // rest if self.world_size % rest == 0 else 0
+            valid = [d for d in range(1, room + 1) if room % d == 0] if room else []
+            if valid:
+                parts.append(f"{name} {_nearest(value, valid)}")
+        return "nearest valid degrees: " + (", ".join(parts) if parts else "none with the others unchanged")
 
     @classmethod
     def from_config(cls, cfg: Parallelism, world_size: int) -> ParallelDims:
@@ -114,27 +148,18 @@ class ParallelDims:
             tp=cfg.tensor_parallel_degree,
             world_size=world_size,
             ep=cfg.expert_parallel_degree,
+            dp_replicate=cfg.data_parallel_replicate_degree,
         )
-
-    def check_implemented(self) -> None:
-        """Layouts the trainer cannot run yet: tensor with pipeline parallelism (the stage boundary
-        would carry sequence-parallel rows), tensor with expert parallelism."""
-        if self.tp > 1 and self.pp > 1:
-            raise ValueError(
-                f"parallelism.tensor_parallel_degree = {self.tp} with pipeline_parallel_degree = {self.pp}: "
-                "tensor and pipeline parallelism together are not implemented yet; set one of them to 1"
-            )
-        if self.ep > 1 and self.tp > 1:
-            raise ValueError(
-                f"parallelism.expert_parallel_degree = {self.ep} with tensor_parallel_degree = {self.tp}: "
-                "tensor parallelism splits every expert's hidden columns, expert parallelism places whole "
-                "experts; together they are not implemented yet (set one of them to 1)"
-            )
 
     # ------------------------------------------------------------------ degrees
     @property
     def dp(self) -> int:
-        return self.dp_shard
+        """Data-parallel ranks (replicas x shards): the planner's dp, each reads its own share."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def hsdp_enabled(self) -> bool:
+        return self.dp_replicate > 1
 
     @property
     def cp_enabled(self) -> bool:
@@ -150,11 +175,12 @@ class ParallelDims:
 
     @property
     def fsdp_degree(self) -> int:
-        return self.dp * self.cp
+        """Ranks that shard one copy of the parameters (dp_shard x cp; replicas hold copies)."""
+        return self.dp_shard * self.cp
 
     @property
     def fsdp_enabled(self) -> bool:
-        return self.fsdp_degree > 1
+        return self.dp * self.cp > 1
 
     @property
     def ep_enabled(self) -> bool:
@@ -162,8 +188,8 @@ class ParallelDims:
 
     @property
     def efsdp_degree(self) -> int:
-        """Ranks that FSDP-shard one set of routed experts (dp × cp / ep)."""
-        return self.dp * self.cp // self.ep
+        """Ranks that FSDP-shard one set of routed experts (dp_shard × cp / ep, in one replica)."""
+        return self.dp_shard * self.cp // self.ep
 
     @property
     def loss_degree(self) -> int:
@@ -172,9 +198,14 @@ class ParallelDims:
 
     def mesh_size(self, name: str) -> int:
         """Degree of a named mesh, known before (and without) building meshes."""
-        if name in ("ep", "efsdp"):
-            return self.ep if name == "ep" else self.efsdp_degree
-        degrees = {"pp": self.pp, "dp": self.dp, "cp": self.cp, "tp": self.tp}
+        if name in ("ep", "efsdp", "ep_tp"):
+            return {
+                "ep": self.ep,
+                "efsdp": self.dp_replicate * self.efsdp_degree,
+                "ep_tp": self.ep * self.tp,
+            }[name]
+        degrees = {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard}
+        degrees |= {"cp": self.cp, "tp": self.tp}
         return math.prod(degrees[axis] for axis in _spans(name))
 
     # ------------------------------------------------------------------ meshes
@@ -187,17 +218,28 @@ class ParallelDims:
             raise ValueError(
                 f"build_meshes: ParallelDims has world size {self.world_size}, the process group {got}"
             )
-        world = init_device_mesh(device_type, (self.pp, self.dp, self.cp, self.tp), mesh_dim_names=MESH_AXES)
-        dp_cp = world["dp", "cp"]._flatten("dp_cp")
-        self._meshes = {
-            name: dp_cp if axes == ("dp", "cp") else world[axes[0]]
-            for name, axes in MESH_SPANS.items()
-            if name not in ("ep", "efsdp")
-        }
+        shape = (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
+        world = init_device_mesh(device_type, shape, mesh_dim_names=MESH_AXES)
+        dp_cp = world["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+        batch = world["dp_replicate", "dp_shard"]._flatten("dp") if self.hsdp_enabled else world["dp_shard"]
+        # HSDP: FSDP2 replicates over dim 0 and shards over dim 1 of a 2-D mesh.
+        shape_r = (self.dp_replicate, self.fsdp_degree)
+        fsdp = dp_cp._unflatten(0, shape_r, ("replicate", "shard")) if self.hsdp_enabled else dp_cp
+        self._meshes = {"batch": batch, "loss": dp_cp, "fsdp": fsdp}
+        self._meshes |= {name: world[name] for name in ("cp", "tp", "pp")}
         if self.ep > 1:
-            # efsdp outer, ep inner: an ep group is a run of consecutive dp x cp ranks.
-            grid = dp_cp._unflatten(0, (self.efsdp_degree, self.ep), ("efsdp", "ep"))
-            self._meshes |= {"ep": grid["ep"], "efsdp": grid["efsdp"]}
+            # efsdp outer, ep inner: an ep group is a run of consecutive dp_shard x cp ranks.
+            sizes = (self.dp_replicate, self.efsdp_degree, self.ep)
+            grid = dp_cp._unflatten(0, sizes, ("e_replicate", "efsdp", "ep"))
+            efsdp = grid["e_replicate", "efsdp"] if self.hsdp_enabled else grid["efsdp"]
+            self._meshes |= {"ep": grid["ep"], "efsdp": efsdp}
+        if self.ep > 1 and self.tp > 1:  # the same ep groups, each with its tp peers
+            sizes = (self.dp_replicate, self.efsdp_degree, self.ep, self.tp)
+            names = ("expert_replicate", "expert_efsdp", *EP_TP_DIMS)
+            full = (
+                world["dp_replicate", "dp_shard", "cp", "tp"]._flatten("dp_cp_tp")._unflatten(0, sizes, names)
+            )
+            self._meshes["ep_tp"] = full[EP_TP_DIMS]
         for name in self._meshes:
             assert self._meshes[name].size() == self.mesh_size(name), (name, self._meshes[name], self)
 
@@ -222,6 +264,12 @@ class ParallelDims:
         """This rank's index inside the named mesh (0 when the mesh has one rank)."""
         mesh = self.get_optional_mesh(name)
         return 0 if mesh is None else mesh.get_local_rank()
+
+
+def _nearest(degree: int, valid: list[int]) -> str:
+    below = [d for d in valid if d < degree]
+    above = [d for d in valid if d > degree]
+    return " or ".join(str(d) for d in (below[-1:] + above[:1]))
 
 
 def _spans(name: str) -> tuple[str, ...]:

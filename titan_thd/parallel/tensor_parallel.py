@@ -158,6 +158,13 @@ def collect_replicated_grads(model: nn.Module, group: dist.ProcessGroup) -> None
     mark_replicated_grads(model, names, group)
 
 
+def present(model: nn.Module, plan: dict[str, ParallelStyle]) -> dict[str, ParallelStyle]:
+    """The entries of `plan` whose module this model holds: a pipeline stage keeps its own layers
+    and sets the other stages' top-level modules (embedding, head) to None."""
+    names = {name for name, _ in model.named_modules()}
+    return {fqn: style for fqn, style in plan.items() if fqn in names}
+
+
 def valid_degrees(sizes: Iterable[int]) -> list[int]:
     """Degrees that divide every size (the divisors of their gcd)."""
     g = math.gcd(*sizes)

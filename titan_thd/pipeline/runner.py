@@ -143,10 +143,12 @@ def build(
         pp,
         dims.get_mesh("pp").get_group(),
         parallelism.pipeline_parallel_schedule,
-        spec.pipeline.boundary_shape(model_args, training.tokens_per_microbatch // dims.cp),
+        # Under tensor parallelism the boundary carries this tp rank's sequence-parallel rows.
+        spec.pipeline.boundary_shape(model_args, training.tokens_per_microbatch // dims.cp // dims.tp),
         dtype,
         device,
         tied=[q for n in tied for q in getattr(model, n).parameters()] if on_end else [],
         tied_group=tied_group if on_end else None,
+        tensor_parallel=dims.tp_enabled,
     )
     return ModelParts(model, schedule, num_params)

@@ -33,8 +33,9 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from titan_thd.components.loss import cross_entropy_sum
+from titan_thd.components.loss import cross_entropy_sum, loss_context
 from titan_thd.data.batch_meta import BatchMeta
+from titan_thd.parallel.tensor_parallel import reduce_replicated_grads
 from titan_thd.pipeline import Schedule
 
 SCHEDULES: tuple[str, ...] = get_args(Schedule)
@@ -171,6 +172,7 @@ class PipelineSchedule:
         device: torch.device,
         tied: list[nn.Parameter] | None = None,
         tied_group: dist.ProcessGroup | None = None,
+        tensor_parallel: bool = False,
     ):
         assert schedule in SCHEDULES, schedule
         assert 0 <= rank < pp and dist.get_world_size(group) == pp
@@ -181,6 +183,8 @@ class PipelineSchedule:
         self.tied = tied or []
         """Parameters held by the first and the last stage (their gradients are summed)."""
         self.tied_group = tied_group
+        self.tensor_parallel = tensor_parallel
+        """Vocabulary-parallel logits on the last stage: its loss runs under `loss_context`."""
         self._aux_keys: list[str] | None = None
         self._checked_k = False
 
@@ -209,12 +213,13 @@ class PipelineSchedule:
     def _forward(self, chunk: int, inp: StageInput, x: torch.Tensor | None, num_trained: int, sums: dict):
         first, last = self._stage(chunk) == 0, self._stage(chunk) == self.num_stages - 1
         x_in = inp.tokens if first else x.requires_grad_()
-        out = self.chunks[chunk](x_in, inp.meta)
+        with loss_context(self.tensor_parallel and last):  # vocabulary-parallel logits
+            out = self.chunks[chunk](x_in, inp.meta)
+            ce = cross_entropy_sum(out.logits, inp.labels, inp.loss_mask) if last else None
         for k, v in out.aux_losses.items():
             sums[k] = sums.get(k, 0) + v.detach().double()
         aux = sum(out.aux_losses.values(), torch.zeros((), device=self.device))
         if last:
-            ce = cross_entropy_sum(out.logits, inp.labels, inp.loss_mask)
             sums["loss"] = sums.get("loss", 0) + ce.detach().double()
             return x_in, (ce + aux) / num_trained, None
         assert out.logits.shape == self.shape, (out.logits.shape, self.shape)
@@ -223,7 +228,8 @@ class PipelineSchedule:
     def _backward(self, chunk: int, saved: tuple, grad_y: torch.Tensor | None) -> torch.Tensor | None:
         x_in, y, aux = saved
         if self._stage(chunk) == self.num_stages - 1:  # y is the loss
-            torch.autograd.backward(y)
+            with loss_context(self.tensor_parallel):
+                torch.autograd.backward(y)
         else:
             tensors, grads = [y], [grad_y]
             if aux is not None and aux.requires_grad:
@@ -268,6 +274,8 @@ class PipelineSchedule:
             got = self._communicate([(peer, consumer, out) for peer, consumer in tick.sends], tick.recvs)
             inbox.update({consumer: buf for (_, consumer), buf in zip(tick.recvs, got)})
         assert not saved and not inbox, (saved.keys(), inbox.keys())
+        for chunk in self.chunks:  # TP: parameters used on each rank's rows / heads (dsv4)
+            reduce_replicated_grads(chunk)
         self._sync_tied_grads()
         return self._sum_over_stages(sums)
 
@@ -283,10 +291,12 @@ class PipelineSchedule:
                 x = None
                 if s > 0:
                     (x,) = self._communicate([], [((s - 1) % self.pp, Action(False, chunk, 0))])
-                out = self.chunks[chunk](inp.tokens if s == 0 else x, inp.meta)
-                if s == self.num_stages - 1:
-                    ce += cross_entropy_sum(out.logits, inp.labels, inp.loss_mask).double()
-                else:
+                last = s == self.num_stages - 1
+                with loss_context(self.tensor_parallel and last):
+                    out = self.chunks[chunk](inp.tokens if s == 0 else x, inp.meta)
+                    if last:
+                        ce += cross_entropy_sum(out.logits, inp.labels, inp.loss_mask).double()
+                if not last:
                     self._communicate([((s + 1) % self.pp, Action(False, chunk, 0), out.logits)], [])
         dist.all_reduce(ce, group=self.group)
         return ce

@@ -243,13 +243,15 @@ def stage_summary(
         split_model(pipeline, part, layers, rank, pp, tied)
         muon = matrix_params(part) if optimizer == "muon" and matrix_params else ()
         mem = estimate_memory_per_rank(part, parallel_dims, optimizer, dtype, muon)
+        # The parts are unsharded meta models: FSDP's split is counted, tensor parallelism's not.
+        tp_note = f" (before the tp {parallel_dims.tp} split)" if getattr(parallel_dims, "tp", 1) > 1 else ""
         ids = ", ".join(f"{layers[s][0]}-{layers[s][-1]}" for s in range(rank, len(layers), pp))
         k = 4 * pp * virtual  # beyond this K the 1F1B-type schedules keep no more in flight
         n = "K" if schedule == "GPipe" else str(max_in_flight(schedule, pp, virtual, rank, k))
         flight = f"<= {n} x {boundary:.2f} MiB" + ("" if n == "K" else f" = {int(n) * boundary:.2f} MiB")
         line = (
             f"pp rank {rank}: layers {ids}, {sum(p.numel() for p in part.parameters()):,} parameters; "
-            f"{mem}; in-flight microbatch inputs {flight} (boundary {list(shape)}, {schedule})"
+            f"{mem}{tp_note}; in-flight microbatch inputs {flight} (boundary {list(shape)}, {schedule})"
         )
         if saved is not None:  # the rank's largest chunk, once per in-flight (chunk, microbatch)
             chunk = max(

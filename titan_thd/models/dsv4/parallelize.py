@@ -1,11 +1,14 @@
 """Parallelise a DSv4 model: tensor parallel -> expert parallel -> compile -> FSDP, in that fixed
 order (context parallelism needs no wrapping: the attention reads BatchMeta.cp, contiguous mode
 only; under TP every tp rank exchanges its halo and entries with the CP neighbours of its own tp
-coordinate). Tensor and expert parallelism do not combine yet (refused at start-up).
+coordinate).
 
 Expert parallelism (docs/design.md §5.2): the stacked routed experts [E, out, in] become DTensors
 sharded over `ep` on the expert dimension; FSDP shards them as units of their own over `efsdp` on
-their output dimension (dim 1), so every rank holds a share of every local expert.
+their output dimension (dim 1), so every rank holds a share of every local expert. With tensor
+parallelism too, each expert stays split on its hidden columns over tp (expert tensor parallelism =
+tp: a 2-D (ep, tp) DTensor) and FSDP shards the model-width dimension instead (w1 / w3 [E, F, d] on
+d, w2 [E, d, F] on d), so no dimension is split twice.
 
 Tensor parallelism (docs/design.md §5.1): the mHC streams [T, N, d] are sequence-parallel between
 sub-layers (this rank's T/cp/tp rows; mHC and the norms run on them), attention and the MoE are
@@ -41,6 +44,7 @@ from titan_thd.parallel.tensor_parallel import (
     ReplicatedPartialGrad,
     ShardedLocal,
     collect_replicated_grads,
+    present,
 )
 
 if TYPE_CHECKING:
@@ -113,7 +117,7 @@ def tp_plan(model: DSv4Model) -> dict[str, ParallelStyle]:
     }
     for name, block in model.layers.items():
         plan |= _block_plan(f"layers.{name}", block)
-    for j, block in enumerate(model.mtp):
+    for j, block in enumerate(model.mtp or ()):  # None off the last pipeline stage
         plan |= _block_plan(f"mtp.{j}", block)
         # The MTP input mixing and head run on the sequence-parallel rows too.
         plan |= {f"mtp.{j}.{m}": ReplicatedPartialGrad() for m in ("enorm", "hnorm", "e_proj", "h_proj")}
@@ -129,7 +133,7 @@ def apply_tp(model: DSv4Model, parallel_dims: ParallelDims) -> None:
     bad = {k: v for k, v in tp_divides(model.args).items() if v % parallel_dims.tp}
     if bad:  # the trainer refuses these at start-up; direct callers get the same rule here
         raise ValueError(f"tensor parallel degree {parallel_dims.tp} does not divide dsv4 {bad}")
-    parallelize_module(model, tp_mesh, tp_plan(model))
+    parallelize_module(model, tp_mesh, present(model, tp_plan(model)))
     for module in model.modules():
         if isinstance(module, Attention):  # the indexer-KL teacher sums its head mass over tp
             module.tp_group = tp_mesh.get_group()
@@ -138,6 +142,8 @@ def apply_tp(model: DSv4Model, parallel_dims: ParallelDims) -> None:
 
 EXPERT_FSDP_DIM = 1
 """The dimension FSDP shards the expert-parallel stacks on over `efsdp` (dim 0 is ep's)."""
+EXPERT_TP_FSDP_DIMS = {"w1": 2, "w3": 2, "w2": 1}
+"""Under TP x EP: the model-width dimension of each stack (the hidden one is tp's)."""
 
 
 def apply_ep(model: DSv4Model, parallel_dims: ParallelDims) -> list[tuple[nn.Module, object, int]]:
@@ -147,9 +153,16 @@ def apply_ep(model: DSv4Model, parallel_dims: ParallelDims) -> list[tuple[nn.Mod
     if not parallel_dims.ep_enabled:
         return []
     moes = [m for m in model.modules() if isinstance(m, MoE)]
-    expert_parallel.apply_ep(moes, parallel_dims.get_mesh("ep"))
+    ep_tp = parallel_dims.get_mesh("ep_tp") if parallel_dims.tp_enabled else None
+    expert_parallel.apply_ep(moes, parallel_dims.get_mesh("ep"), ep_tp)
     efsdp_mesh = parallel_dims.get_mesh("efsdp")
-    return [(m.experts, efsdp_mesh, EXPERT_FSDP_DIM) for m in moes]
+    if ep_tp is None:
+        return [(m.experts, efsdp_mesh, EXPERT_FSDP_DIM) for m in moes]
+    units = []
+    for m in moes:
+        dims = {id(getattr(m.experts, n)): d for n, d in EXPERT_TP_FSDP_DIMS.items()}
+        units.append((m.experts, efsdp_mesh, lambda p, dims=dims: dims[id(p)]))
+    return units
 
 
 def apply_fsdp(

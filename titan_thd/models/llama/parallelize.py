@@ -23,6 +23,7 @@ from torch.distributed.tensor.parallel import (
 from titan_thd.models.compile import compiled
 from titan_thd.models.llama.model import FeedForward, Llama, swiglu
 from titan_thd.parallel.parallel_dims import ParallelDims
+from titan_thd.parallel.tensor_parallel import present
 
 if TYPE_CHECKING:
     from titan_thd.config import Parallelism, Training
@@ -89,7 +90,7 @@ def apply_tp(model: Llama, parallel_dims: ParallelDims) -> None:
     tp_mesh = parallel_dims.get_optional_mesh("tp")
     if tp_mesh is None:
         return
-    parallelize_module(model, tp_mesh, tp_plan(model))
+    parallelize_module(model, tp_mesh, present(model, tp_plan(model)))
 
 
 def apply_fsdp(model: Llama, parallel_dims: ParallelDims) -> None:
