@@ -50,7 +50,7 @@ from titan_thd.models.spec import ModelSpec, as_dtype
 from titan_thd.parallel import distributed as dist_utils
 from titan_thd.parallel.context_parallel import resolve_mode
 from titan_thd.parallel.distributed import DistInfo
-from titan_thd.parallel.fsdp import build_on_meta
+from titan_thd.parallel.fsdp import build_on_meta, estimate_memory_per_rank
 from titan_thd.parallel.parallel_dims import ParallelDims
 from titan_thd.pipeline import activations
 from titan_thd.pipeline.runner import LazyInputs, LocalRunner, build
@@ -135,6 +135,7 @@ class Trainer:
             dims,
             parallelism=p,
             training=t,
+            activation_checkpoint=cfg.activation_checkpoint,
             model_args=self.model_args,
             layers=inputs.stages,
             device=self.dist.device,
@@ -355,6 +356,16 @@ class Trainer:
     def _log_header(self, stages: list[list[int]] | None) -> None:
         c, d, dtype = self.cfg, self.parallel_dims, as_dtype(self.cfg.training.dtype)
         matrix_params = self.spec.matrix_params or default_matrix_params
+        tokens = c.training.tokens_per_microbatch // d.cp
+        acts = activations.activation_memory(
+            self.spec,
+            self.model_args,
+            tokens,
+            dtype,
+            activations.recomputation(self.spec, c.parallelism, c.training, c.activation_checkpoint),
+            c.activation_checkpoint.layers,
+            narrow_ok=self.dist.fake,  # minutes of CPU for a Flash-sized model
+        )
         stage_lines = []
         if stages is not None:  # every stage's share, built on the meta device
             stage_lines = stage_summary(
@@ -367,14 +378,12 @@ class Trainer:
                 dtype,
                 c.optimizer.name,
                 matrix_params,
-                activations.estimate(
-                    self.spec,
-                    self.model_args,
-                    c.training.tokens_per_microbatch // d.cp,
-                    dtype,
-                    narrow_ok=self.dist.fake,  # minutes of CPU for a Flash-sized model
-                ),
+                acts,
             )
+        elif acts is not None:  # one stage: one microbatch in flight at a time
+            muon = matrix_params(self.model) if c.optimizer.name == "muon" else ()
+            other = estimate_memory_per_rank(self.model, d, c.optimizer.name, dtype, muon).total_bytes
+            stage_lines = [activations.summary(acts, tokens, other)]
         for line in header_lines(
             c,
             dims=d,
@@ -391,6 +400,7 @@ class Trainer:
             loader=self.dataloader,
             validator=self.validator,
             stage_lines=stage_lines,
+            ac_regions=self.spec.ac_regions,
             peak_tflops=self.peak_tflops,
         ):
             if line.startswith("warning: "):

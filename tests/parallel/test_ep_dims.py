@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-from titan_thd.config import Parallelism, Training, load_config
+from titan_thd.config import ActivationCheckpoint, Parallelism, Training, load_config
 from titan_thd.inputs import check_inputs
 from titan_thd.models.dsv4.args import flavors
 from titan_thd.models.dsv4.model import build_dsv4
@@ -61,6 +61,7 @@ def test_dsv4_experts_sharded_over_efsdp(fake_world):
         dims,
         parallelism=Parallelism(),
         training=Training(),
+        activation_checkpoint=ActivationCheckpoint(),
     )
     for layer in [*model.layers.values(), *model.mtp]:
         assert list(layer.ffn.experts) == ["0"]
