@@ -228,6 +228,9 @@ class ActivationMemory:
         return saved, max(peaks, default=0.0)
 
 
+_MEASURED: dict[str, ActivationMemory | None] = {}
+
+
 def activation_memory(
     spec: ModelSpec,
     args: Any,
@@ -236,10 +239,24 @@ def activation_memory(
     recompute: Prepare | None,
     layers: int = 0,
     narrow_ok: bool = True,
+    key: str = "",
 ) -> ActivationMemory | None:
     """Saved bytes per layer of one microbatch of `tokens` tokens without and with recomputation
     (`recompute` applies the run's mode to every block of a built model; None = mode none), and what
-    each layer's recomputation holds; None where `estimate` is None (a model too large to measure)."""
+    each layer's recomputation holds; None where `estimate` is None (a model too large to measure).
+    A non-empty `key` names everything the result depends on besides these arguments' values (the
+    recomputation settings): a process that starts several runs of the same model (tests) measures
+    once."""
+    cache_key = repr((key, spec.name, args, tokens, dtype, layers, narrow_ok)) if key else ""
+    if cache_key in _MEASURED:
+        return _MEASURED[cache_key]
+    result = _activation_memory(spec, args, tokens, dtype, recompute, layers, narrow_ok)
+    if cache_key:
+        _MEASURED[cache_key] = result
+    return result
+
+
+def _activation_memory(spec, args, tokens, dtype, recompute, layers, narrow_ok) -> ActivationMemory | None:
     kept = estimate(spec, args, tokens, dtype, narrow_ok, prepare=recompute)
     if kept is None:
         return None
