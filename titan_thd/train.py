@@ -362,10 +362,10 @@ class Trainer:
             self.model_args,
             tokens,
             dtype,
-            activations.recomputation(self.spec, c.parallelism, c.training, c.activation_checkpoint),
-            c.activation_checkpoint.layers,
+            c.parallelism,
+            c.training,
+            c.activation_checkpoint,
             narrow_ok=self.dist.fake,  # minutes of CPU for a Flash-sized model
-            key=repr(c.activation_checkpoint),
         )
         stage_lines = []
         if stages is not None:  # every stage's share, built on the meta device

@@ -209,15 +209,19 @@ class ActivationMemory:
     kept: SavedBytes
     """The same with every block recomputed as the run's mode says (= plain for mode none)."""
     recompute: dict[str, float]
-    """Layer key -> bytes its recomputation holds again while its backward runs, plain less kept
-    (0 for mode none); "after": the same for the blocks after the last layer (dsv4's MTP)."""
+    """Layer key -> bytes its recomputation holds again while its backward runs (0 for mode none;
+    `activation_memory`); "after": the same for the blocks after the last layer (dsv4's MTP)."""
     layers: int = 0
     """activation_checkpoint.layers: only the first N blocks of each stage are recomputed (0 = all)."""
+    loss_grad: float = 0.0
+    """What the loss's backward holds at the start of the last stage's backward: the gradients of
+    the log-softmax and of the logits, [T, vocab] each in at least float32 (`loss_gradient_bytes`)."""
 
     def stage(self, layer_keys: list[str], first: bool, last: bool) -> tuple[float, float]:
-        """(saved bytes per microbatch, the largest recomputation) of one pipeline stage (or of the
-        whole model): its first `layers` blocks, the blocks after its last layer counted last, keep
-        `kept`, the others `plain`; one block is recomputed at a time."""
+        """(saved bytes per microbatch, the backward's largest transient) of one pipeline stage (or of
+        the whole model): its first `layers` blocks, the blocks after its last layer counted last,
+        keep `kept`, the others `plain`; one block is recomputed at a time, and not while the loss's
+        backward (last stage) holds its gradients."""
         n = self.layers or len(layer_keys) + 1
         wrapped, tail = layer_keys[:n], last and len(layer_keys) < n
         plain = self.plain or self.kept
@@ -225,7 +229,15 @@ class ActivationMemory:
         saved = sum(self.kept.layers[k] if k in wrapped else plain.layers[k] for k in layer_keys)
         saved += first * self.kept.before + last * (self.kept.after if tail else plain.after)
         peaks = [self.recompute[k] for k in wrapped] + [self.recompute["after"]] * tail
-        return saved, max(peaks, default=0.0)
+        return saved, max([*peaks, last * self.loss_grad], default=0.0)
+
+
+def loss_gradient_bytes(args: Any, tokens: int, dtype: torch.dtype) -> float:
+    """ActivationMemory.loss_grad: cross-entropy's backward makes the gradient of the log-softmax and
+    from it the gradient of the logits ([T, vocab] each, float32 at least: components/loss.py
+    upcasts), both alive at once (measured: components/live_memory.py)."""
+    itemsize = torch.empty((), dtype=torch.promote_types(dtype, torch.float32)).element_size()
+    return 2.0 * tokens * args.vocab_size * itemsize
 
 
 _MEASURED: dict[str, ActivationMemory | None] = {}
@@ -236,43 +248,55 @@ def activation_memory(
     args: Any,
     tokens: int,
     dtype: torch.dtype,
-    recompute: Prepare | None,
-    layers: int = 0,
+    parallelism: Parallelism,
+    training: Training,
+    ac: ActivationCheckpoint,
     narrow_ok: bool = True,
-    key: str = "",
 ) -> ActivationMemory | None:
-    """Saved bytes per layer of one microbatch of `tokens` tokens without and with recomputation
-    (`recompute` applies the run's mode to every block of a built model; None = mode none), and what
-    each layer's recomputation holds; None where `estimate` is None (a model too large to measure).
-    A non-empty `key` names everything the result depends on besides these arguments' values (the
-    recomputation settings): a process that starts several runs of the same model (tests) measures
-    once."""
-    cache_key = repr((key, spec.name, args, tokens, dtype, layers, narrow_ok)) if key else ""
-    if cache_key in _MEASURED:
-        return _MEASURED[cache_key]
-    result = _activation_memory(spec, args, tokens, dtype, recompute, layers, narrow_ok)
-    if cache_key:
-        _MEASURED[cache_key] = result
-    return result
+    """Saved bytes per layer of one microbatch of `tokens` tokens without and with the run's
+    recomputation, and what each layer's recomputation holds; None where `estimate` is None (a model
+    too large to measure). Measured once per process and setting (a test that starts several runs of
+    one model measures once; the one-process `parallelize` reads no parallelism degree).
+
+    What a layer's recomputation holds: under `full` the layer's plain bytes less what it keeps;
+    under `selective` the regions are recomputed one at a time (each at its own first unpack in the
+    backward), so the largest region's own bytes, each region measured alone."""
+    key = repr((spec.name, args, tokens, dtype, ac, narrow_ok))
+    if key not in _MEASURED:
+        _MEASURED[key] = _activation_memory(spec, args, tokens, dtype, parallelism, training, ac, narrow_ok)
+    return _MEASURED[key]
 
 
-def _activation_memory(spec, args, tokens, dtype, recompute, layers, narrow_ok) -> ActivationMemory | None:
+def _activation_memory(spec, args, tokens, dtype, parallelism, training, ac, narrow_ok):
+    recompute = recomputation(spec, parallelism, training, ac)
     kept = estimate(spec, args, tokens, dtype, narrow_ok, prepare=recompute)
     if kept is None:
         return None
+    loss_grad = loss_gradient_bytes(args, tokens, dtype)
     if recompute is None:
-        return ActivationMemory(kept, kept, dict.fromkeys([*kept.layers, "after"], 0.0))
+        return ActivationMemory(kept, kept, dict.fromkeys([*kept.layers, "after"], 0.0), 0, loss_grad)
     short = min(tokens, RECOMPUTE_TOKENS)
     plain_short = estimate(spec, args, short, dtype, narrow_ok)
     kept_short = kept if short == tokens else estimate(spec, args, short, dtype, narrow_ok, prepare=recompute)
     assert plain_short is not None and kept_short is not None
+    alone = [kept_short]
+    if ac.mode == "selective" and len(ac.regions) > 1:
+        one_region = [dataclasses.replace(ac, regions=(r,)) for r in ac.regions]
+        alone = [
+            estimate(spec, args, short, dtype, narrow_ok, recomputation(spec, parallelism, training, a))
+            for a in one_region
+        ]
     scale = tokens / short
-    back = {k: max(0.0, plain_short.layers[k] - kept_short.layers[k]) * scale for k in kept.layers}
-    back["after"] = max(0.0, plain_short.after - kept_short.after) * scale
+
+    def held(plain: float, kept_alone: list[float]) -> float:
+        return max(max(0.0, plain - k) for k in kept_alone) * scale
+
+    back = {k: held(plain_short.layers[k], [a.layers[k] for a in alone]) for k in kept.layers}
+    back["after"] = held(plain_short.after, [a.after for a in alone])
     plain = plain_short
     if short < tokens:  # the blocks after the first `layers` of a stage keep their plain bytes at T
-        plain = estimate(spec, args, tokens, dtype, narrow_ok) if layers else None
-    return ActivationMemory(plain, kept, back, layers)
+        plain = estimate(spec, args, tokens, dtype, narrow_ok) if ac.layers else None
+    return ActivationMemory(plain, kept, back, ac.layers, loss_grad)
 
 
 def summary(acts: ActivationMemory, tokens: int, other_bytes: int) -> str:
@@ -284,7 +308,7 @@ def summary(acts: ActivationMemory, tokens: int, other_bytes: int) -> str:
     return (
         f"activations per rank (measured per layer, docs/design.md §5.3): one microbatch of {tokens:,} "
         f"tokens saves {size(saved)}"
-        + (f" + recomputation {size(back)}" if back else "")
+        + (f" + backward transient (recomputation or loss gradient) {size(back)}" if back else "")
         + f" = {size(saved + back)}; total with parameters, gradients and optimizer state "
         f"{size(saved + back + other_bytes)}"
     )

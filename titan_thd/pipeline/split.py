@@ -260,7 +260,7 @@ def stage_summary(
             chunk, back = max(c for c, _ in per_chunk), max(b for _, b in per_chunk)
             line += f"; saved activations <= {n} x {size(chunk)}"
             if back:
-                line += f" + recomputation {size(back)}"
+                line += f" + backward transient {size(back)}"
             if n != "K":
                 acts = int(n) * chunk + back
                 line += f" = {size(acts)}; total {size(acts + mem.total_bytes)}"
