@@ -28,6 +28,7 @@ from torch import nn
 
 from titan_thd.components.checkpoint import CheckpointError, CheckpointManager, model_fingerprint
 from titan_thd.components.dry_run import fake_step_fits
+from titan_thd.components.live_memory import max_rss_bytes
 from titan_thd.components.lr_scheduler import LRSchedulersContainer
 from titan_thd.components.metrics import MetricsLogger, StepTimer, peak_tflops_per_rank, step_metrics
 from titan_thd.components.optimizer import (
@@ -299,6 +300,8 @@ class Trainer:
                 self.checkpointer.save(self.step, force=True)
                 logger.info("stopped by signal after step %d", self.step)
                 break
+        if self.dist.device.type == "cpu":  # on a GPU the allocator's peak is the figure (not printed yet)
+            logger.info("rank %d: peak memory (max RSS) %.2f GiB", self.dist.rank, max_rss_bytes() / 2**30)
 
     def close(self) -> None:
         """Flush the metrics and restore the signal handler (the process group stays up: main() ends it)."""

@@ -14,6 +14,8 @@ memory estimate of the log header (pipeline/activations.py) is checked against i
 
 from __future__ import annotations
 
+import resource
+import sys
 from collections.abc import Iterable
 
 import torch
@@ -54,3 +56,10 @@ class LiveBytes(TorchDispatchMode):
                 self.now = self._exact()
                 self.peak = max(self.peak, self.now)
         return out
+
+
+def max_rss_bytes() -> int:
+    """This process's peak resident memory so far (the kernel's count: tensors, allocator caches,
+    libraries), the figure a CPU run reports per rank at its end."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024  # Linux counts KiB
