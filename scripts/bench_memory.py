@@ -95,24 +95,25 @@ def bench_model(name: str, tokens: int, reps: int, dtype: torch.dtype) -> list[d
     spec, args = get_model_spec(name), get_model_args(name, FLAVORS[name])
     batch, meta = microbatch(args.vocab_size, tokens)
     rows = []
-    runs = {}
     for mode, ac in modes(name).items():
         prepare = activations.recomputation(spec, Parallelism(), Training(), ac)
         saved = activations.measure(spec, args, tokens, dtype, prepare)
-        model, optimizer = build(name, args, ac, dtype)
-        step(model, optimizer, batch, meta)  # warm-up; the AdamW state exists from here on
-        with LiveBytes([*model.parameters(), *model.buffers(), *_optimizer_state(optimizer)]) as live:
-            step(model, optimizer, batch, meta)
-        runs[mode] = (model, optimizer)
         per_layer = sum(saved.layers.values()) / len(saved.layers) / tokens
         rows.append({"model": name, "flavor": FLAVORS[name], "mode": mode, "tokens": tokens,
-                     "saved_bytes_per_token_layer": per_layer, "peak_bytes": live.peak, "step_s": []})  # fmt: skip
-    for _ in range(reps):  # interleaved: every mode sees the same machine load
-        for row in rows:
-            model, optimizer = runs[row["mode"]]
+                     "saved_bytes_per_token_layer": per_layer, "peak_bytes": 0, "step_s": []})  # fmt: skip
+    for rep in range(reps):  # interleaved: every mode sees the same machine load; one model alive at a time
+        for row, ac in zip(rows, modes(name).values()):
+            model, optimizer = build(name, args, ac, dtype)
+            step(model, optimizer, batch, meta)  # warm-up; the AdamW state exists from here on
+            if rep == 0:
+                state = [*model.parameters(), *model.buffers(), *_optimizer_state(optimizer)]
+                with LiveBytes(state) as live:
+                    step(model, optimizer, batch, meta)
+                row["peak_bytes"] = live.peak
             t0 = time.perf_counter()
             step(model, optimizer, batch, meta)
             row["step_s"].append(time.perf_counter() - t0)
+            del model, optimizer
     base = rows[0]
     for row in rows:
         row["step_s"] = statistics.median(row["step_s"])

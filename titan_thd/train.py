@@ -354,22 +354,29 @@ class Trainer:
     def _fake_step_fits(self) -> bool:
         tokens = self.cfg.training.tokens_per_microbatch // self.parallel_dims.cp
         flops = self.spec.flops_per_step(self.model_args, [tokens]) / self.parallel_dims.pp
-        return fake_step_fits(self.model, tokens, flops, self.peak_tflops)
+        acts = self._activations(tokens)
+        saved = sum(acts.stage(list(acts.kept.layers), first=True, last=True)) if acts is not None else 0.0
+        return fake_step_fits(self.model, tokens, flops, self.peak_tflops, saved)
 
-    def _log_header(self, stages: list[list[int]] | None) -> None:
-        c, d, dtype = self.cfg, self.parallel_dims, as_dtype(self.cfg.training.dtype)
-        matrix_params = self.spec.matrix_params or default_matrix_params
-        tokens = c.training.tokens_per_microbatch // d.cp
-        acts = activations.activation_memory(
+    def _activations(self, tokens: int) -> activations.ActivationMemory | None:
+        """One microbatch's activation memory, measured once per process (pipeline/activations.py)."""
+        c = self.cfg
+        return activations.activation_memory(
             self.spec,
             self.model_args,
             tokens,
-            dtype,
+            as_dtype(c.training.dtype),
             c.parallelism,
             c.training,
             c.activation_checkpoint,
             narrow_ok=self.dist.fake,  # minutes of CPU for a Flash-sized model
         )
+
+    def _log_header(self, stages: list[list[int]] | None) -> None:
+        c, d, dtype = self.cfg, self.parallel_dims, as_dtype(self.cfg.training.dtype)
+        matrix_params = self.spec.matrix_params or default_matrix_params
+        tokens = c.training.tokens_per_microbatch // d.cp
+        acts = self._activations(tokens)
         stage_lines = []
         if stages is not None:  # every stage's share, built on the meta device
             stage_lines = stage_summary(
