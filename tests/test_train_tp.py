@@ -36,7 +36,7 @@ import torch.distributed as dist
 from tests import _tiny_llama
 from tests._dist import spawn
 from tests.conftest import TRAIN_ARGS
-from titan_thd.config import Parallelism, Training, load_config
+from titan_thd.config import ActivationCheckpoint, Parallelism, Training, load_config
 from titan_thd.train import Trainer
 
 pytestmark = [pytest.mark.filterwarnings("ignore:'set_vital' is deprecated"), pytest.mark.extended]
@@ -140,7 +140,13 @@ def _leak_rows(model_name: str) -> list[int]:
     dims = ParallelDims(pp=1, dp_shard=1, cp=2, tp=2, world_size=4)
     dims.build_meshes("cpu")
     torch.manual_seed(0)
-    model = spec.parallelize(spec.build(margs).double(), dims, parallelism=Parallelism(), training=Training())
+    model = spec.parallelize(
+        spec.build(margs).double(),
+        dims,
+        parallelism=Parallelism(),
+        training=Training(),
+        activation_checkpoint=ActivationCheckpoint(),
+    )
     _tokens, batch = packed([21, 47, 9, 30], margs.vocab_size, pad_to=4, tail=24, seed=5)
     mode = spec.cp_mode
     cp = CPContext(size=2, rank=dims.mesh_rank("cp"), group=dims.get_mesh("cp").get_group(), mode=mode)

@@ -26,6 +26,7 @@ from titan_thd.data.sources import Schema
 from titan_thd.data.tokenizer import ChatTemplate
 from titan_thd.jsonfile import read_json_object
 from titan_thd.models import ModelName
+from titan_thd.parallel.activation_checkpoint import ACMode
 from titan_thd.parallel.context_parallel import CPConfigMode
 from titan_thd.pipeline import Schedule
 
@@ -231,6 +232,21 @@ class Parallelism:
 
 
 @dataclass
+class ActivationCheckpoint:
+    mode: ACMode = "none"
+    """`none` (every activation kept until its backward), `full` (each block keeps only its inputs and
+    runs again in the backward; dsv4's MTP block too) or `selective` (only the `regions` of each block
+    are recomputed). Routing is never recomputed (docs/design.md §5.5)."""
+    regions: tuple[str, ...] = ()
+    """mode = selective: the regions of each block to recompute, each model's own (dsv4: mhc, indexer,
+    attn_up_proj, moe_act, experts, norms; llama: mlp, norms); a list, or comma-separated on the command
+    line. An unknown name is refused with the model's list."""
+    layers: int = 0
+    """Recompute only the first N blocks of each pipeline stage (Megatron's `block` method), the MTP
+    block counted last; 0 = every block."""
+
+
+@dataclass
 class Checkpoint:
     enable: bool = False
     """Save checkpoints and resume from the newest complete one."""
@@ -310,6 +326,7 @@ class Config:
     optimizer: Optimizer = field(default_factory=Optimizer)
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     parallelism: Parallelism = field(default_factory=Parallelism)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     metrics: Metrics = field(default_factory=Metrics)
     validation: Validation = field(default_factory=Validation)
@@ -683,6 +700,8 @@ def to_toml(cfg: Config) -> str:
             return json.dumps(v)
         if isinstance(v, dict):
             return "{ " + ", ".join(f"{k} = {fmt(x)}" for k, x in v.items()) + " }"
+        if isinstance(v, (tuple, list)):
+            return "[" + ", ".join(fmt(x) for x in v) + "]"
         return repr(v)
 
     out = []

@@ -10,6 +10,7 @@ the one check of their combinations:
     validate_tensor_parallel      parallel/tensor_parallel.py    what tp must divide
     validate_expert_parallel      parallel/expert_parallel.py    ep and the routed experts
     validate_pipeline             pipeline/split.py              schedule, stages, layers
+    validate_activation_checkpoint  parallel/activation_checkpoint.py  mode, the model's regions
     ParallelDims                  parallel/parallel_dims.py      the degrees against the world
     validate_combinations         here                           what does not combine (yet)
     microbatch_rule               here (data/rows.py)            every microbatch the data can make
@@ -36,6 +37,7 @@ from titan_thd.data.stores import build_stores, check_validation_path
 from titan_thd.data.tokenizer import Tokenizer, build_tokenizer
 from titan_thd.models import get_model_args, get_model_spec
 from titan_thd.models.spec import ModelSpec
+from titan_thd.parallel.activation_checkpoint import validate_activation_checkpoint
 from titan_thd.parallel.context_parallel import CPMode, resolve_mode, validate_context_parallel
 from titan_thd.parallel.expert_parallel import validate_expert_parallel
 from titan_thd.parallel.fsdp import build_on_meta
@@ -184,6 +186,15 @@ def check_inputs(cfg: Config, world_size: int) -> Inputs:
         degree=p.expert_parallel_degree, n_experts=getattr(model_args, "n_experts", None), model=label
     )
     stages = validate_pipeline(p, model_args.n_layers, spec.pipeline, label)
+    ac = cfg.activation_checkpoint
+    validate_activation_checkpoint(
+        mode=ac.mode,
+        regions=ac.regions,
+        layers=ac.layers,
+        model_regions=spec.ac_regions,
+        n_layers=model_args.n_layers,
+        model=label,
+    )
     validate_combinations(cfg, spec, model_args)
     try:
         dims = ParallelDims.from_config(p, world_size)
@@ -209,6 +220,11 @@ def validate_combinations(cfg: Config, spec: ModelSpec, model_args: Any) -> None
         raise ValueError(
             f"model.args.attention_backend = te with context_parallel_degree = {cp}: Transformer Engine "
             "attention runs without context parallelism only; use attention_backend = native or cp 1"
+        )
+    if cfg.activation_checkpoint.mode != "none" and spec.parallelize is None:
+        raise ValueError(
+            f"activation_checkpoint.mode = {cfg.activation_checkpoint.mode!r}: model {cfg.model.name} has no "
+            'parallelize (which applies the recomputation); set mode = "none"'
         )
     if cfg.training.compile and spec.compile is None:
         raise ValueError(

@@ -30,6 +30,7 @@ from torch import nn
 from titan_thd import exits
 from titan_thd.components.checkpoint import CheckpointManager, model_fingerprint
 from titan_thd.components.dry_run import fake_step_fits
+from titan_thd.components.live_memory import max_rss_bytes
 from titan_thd.components.lr_scheduler import LRSchedulersContainer
 from titan_thd.components.metrics import (
     MetricsLogger,
@@ -61,7 +62,7 @@ from titan_thd.models.spec import ModelSpec, as_dtype
 from titan_thd.parallel import distributed as dist_utils
 from titan_thd.parallel.context_parallel import resolve_mode
 from titan_thd.parallel.distributed import DistInfo
-from titan_thd.parallel.fsdp import build_on_meta
+from titan_thd.parallel.fsdp import build_on_meta, estimate_memory_per_rank
 from titan_thd.parallel.parallel_dims import ParallelDims
 from titan_thd.pipeline import activations
 from titan_thd.pipeline.runner import LazyInputs, LocalRunner, build
@@ -153,6 +154,7 @@ class Trainer:
             dims,
             parallelism=p,
             training=t,
+            activation_checkpoint=cfg.activation_checkpoint,
             model_args=self.model_args,
             layers=inputs.stages,
             device=self.dist.device,
@@ -330,6 +332,8 @@ class Trainer:
                 self.checkpointer.save(self.step, force=True)
                 self.stopped = True
                 break
+        if self.dist.device.type == "cpu":  # on a GPU the allocator's peak is the figure (not printed yet)
+            logger.info("rank %d: peak memory (max RSS) %.2f GiB", self.dist.rank, max_rss_bytes() / 2**30)
 
     def close(self) -> None:
         """Flush the metrics and restore the signal handlers (the process group stays up: main() ends it)."""
@@ -382,11 +386,29 @@ class Trainer:
     def _fake_step_fits(self) -> bool:
         tokens = self.cfg.training.tokens_per_microbatch // self.parallel_dims.cp
         flops = self.spec.flops_per_step(self.model_args, [tokens]) / self.parallel_dims.pp
-        return fake_step_fits(self.model, tokens, flops, self.peak_tflops)
+        acts = self._activations(tokens)
+        saved = sum(acts.stage(list(acts.kept.layers), first=True, last=True)) if acts is not None else 0.0
+        return fake_step_fits(self.model, tokens, flops, self.peak_tflops, saved)
+
+    def _activations(self, tokens: int) -> activations.ActivationMemory | None:
+        """One microbatch's activation memory, measured once per process (pipeline/activations.py)."""
+        c = self.cfg
+        return activations.activation_memory(
+            self.spec,
+            self.model_args,
+            tokens,
+            as_dtype(c.training.dtype),
+            c.parallelism,
+            c.training,
+            c.activation_checkpoint,
+            narrow_ok=self.dist.fake,  # minutes of CPU for a Flash-sized model
+        )
 
     def _log_header(self, stages: list[list[int]] | None) -> None:
         c, d, dtype = self.cfg, self.parallel_dims, as_dtype(self.cfg.training.dtype)
         matrix_params = self.spec.matrix_params or default_matrix_params
+        tokens = c.training.tokens_per_microbatch // d.cp
+        acts = self._activations(tokens)
         stage_lines = []
         if stages is not None:  # every stage's share, built on the meta device
             stage_lines = stage_summary(
@@ -399,14 +421,12 @@ class Trainer:
                 dtype,
                 c.optimizer.name,
                 matrix_params,
-                activations.estimate(
-                    self.spec,
-                    self.model_args,
-                    c.training.tokens_per_microbatch // d.cp,
-                    dtype,
-                    narrow_ok=self.dist.fake,  # minutes of CPU for a Flash-sized model
-                ),
+                acts,
             )
+        elif acts is not None:  # one stage: one microbatch in flight at a time
+            muon = matrix_params(self.model) if c.optimizer.name == "muon" else ()
+            other = estimate_memory_per_rank(self.model, d, c.optimizer.name, dtype, muon).total_bytes
+            stage_lines = [activations.summary(acts, tokens, other)]
         for line in header_lines(
             c,
             dims=d,
@@ -423,6 +443,7 @@ class Trainer:
             loader=self.dataloader,
             validator=self.validator,
             stage_lines=stage_lines,
+            ac_regions=self.spec.ac_regions,
             peak_tflops=self.peak_tflops,
         ):
             if line.startswith("warning: "):

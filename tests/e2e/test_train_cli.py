@@ -291,7 +291,10 @@ def test_fake_mode_skips_a_step_that_cannot_fit(tmp_path, monkeypatch, caplog):
         assert main(["--job.config_file", config, *SMALL, *overrides]) == 0
     assert "global_batch_size = 4 samples for 8 data-parallel replicas: at least 4" in caplog.text
     assert "estimated memory per rank" in caplog.text
-    assert "the step is skipped because one FSDP unit needs about" in caplog.text
+    assert (
+        "the step is skipped because one FSDP unit unsharded and one microbatch's activations need"
+        in caplog.text
+    )
     assert not (tmp_path / "metrics.jsonl").exists()
 
 

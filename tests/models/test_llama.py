@@ -9,7 +9,7 @@ import torch
 from tests._dist import spawn
 from tests.ops.test_varlen_attention import doc_rows, packed_meta
 from titan_thd.components.loss import cross_entropy_sum
-from titan_thd.config import Parallelism, Training
+from titan_thd.config import ActivationCheckpoint, Parallelism, Training
 from titan_thd.data.batch_meta import BatchMeta
 from titan_thd.data.packed_batch import IGNORE_INDEX
 from titan_thd.models import get_model_spec
@@ -135,7 +135,16 @@ def test_tp_plan_names_real_modules():
     for fqn in plan:
         model.get_submodule(fqn)  # raises if the plan names a module that does not exist
     dims = ParallelDims(pp=1, dp_shard=1, cp=1, tp=1, world_size=1)
-    assert parallelize_llama(model, dims, parallelism=Parallelism(), training=Training()) is model
+    assert (
+        parallelize_llama(
+            model,
+            dims,
+            parallelism=Parallelism(),
+            training=Training(),
+            activation_checkpoint=ActivationCheckpoint(),
+        )
+        is model
+    )
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU error path")
@@ -163,7 +172,11 @@ def _fsdp_vs_one_process(rank: int, world_size: int) -> float:
     dims.build_meshes("cpu")
     torch.manual_seed(0)
     model = parallelize_llama(
-        build_llama(TINY).double(), dims, parallelism=Parallelism(), training=Training()
+        build_llama(TINY).double(),
+        dims,
+        parallelism=Parallelism(),
+        training=Training(),
+        activation_checkpoint=ActivationCheckpoint(),
     )
     tokens, meta = _microbatches()[rank]
     cross_entropy_sum(model(tokens, meta).logits, _labels(tokens, meta)).backward()

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
-from titan_thd.config import Parallelism, Training, load_config
+from titan_thd.config import ActivationCheckpoint, Parallelism, Training, load_config
 from titan_thd.inputs import check_inputs
 from titan_thd.models.dsv4.args import flavors
 from titan_thd.models.dsv4.model import build_dsv4
@@ -59,7 +59,11 @@ def test_dsv4_experts_sharded_over_efsdp(fake_world):
     dims.build_meshes("cpu")
     args = flavors["micro"]
     model = parallelize_dsv4(
-        build_on_meta(lambda: build_dsv4(args)), dims, parallelism=Parallelism(), training=Training()
+        build_on_meta(lambda: build_dsv4(args)),
+        dims,
+        parallelism=Parallelism(),
+        training=Training(),
+        activation_checkpoint=ActivationCheckpoint(),
     )
     local = 0
     for name, p in model.named_parameters():

@@ -20,16 +20,26 @@ logger = logging.getLogger("titan_thd")
 MAX_STEP_SECONDS = 300
 
 
-def fake_step_fits(model: nn.Module, tokens_per_rank: int, flops_per_rank: float, peak_tflops: float) -> bool:
-    """True when the dry run's step fits the machine's free memory and MAX_STEP_SECONDS."""
+def fake_step_fits(
+    model: nn.Module,
+    tokens_per_rank: int,
+    flops_per_rank: float,
+    peak_tflops: float,
+    activation_bytes: float = 0.0,
+) -> bool:
+    """True when the dry run's step fits the machine's free memory and MAX_STEP_SECONDS;
+    `activation_bytes`: what one microbatch's forward keeps for its backward (the header's measure),
+    which the step needs on top of the unit (without it a long microbatch ran this machine out of
+    memory)."""
     unit = largest_unsharded_unit_bytes(model)
     logger.info("dry run: largest unsharded FSDP unit %.2f GiB (one all-gather)", unit / 2**30)
-    need = 3 * unit  # the unit's params, grads, workspace
+    need = 3 * unit + activation_bytes  # the unit's params, grads, workspace; the activations
     free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     if need > free:
         logger.warning(
             "dry run: meshes, sharding and optimizer built; the step is skipped because one FSDP unit "
-            "needs about %.1f GiB unsharded and this machine has %.1f GiB free",
+            "unsharded and one microbatch's activations need about %.1f GiB and this machine has %.1f "
+            "GiB free",
             need / 2**30,
             free / 2**30,
         )

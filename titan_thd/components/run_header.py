@@ -3,13 +3,14 @@
     for line in header_lines(cfg, ...):
         logger.info("%s", line)
 
-Every value is passed in; nothing here builds a model or runs a forward (the pipeline stage lines,
-which need a meta build and an activation measurement, come in as `stage_lines`).
+Every value is passed in; nothing here builds a model or runs a forward (the memory lines of the
+activations, per pipeline stage or of the one stage, which need an activation measurement and under
+pipeline parallelism a meta build, come in as `stage_lines`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -17,6 +18,7 @@ from torch import nn
 
 from titan_thd.components import hardware
 from titan_thd.components.muon import Muon
+from titan_thd.parallel.activation_checkpoint import describe
 from titan_thd.parallel.fsdp import estimate_memory_per_rank
 from titan_thd.parallel.parallel_dims import ParallelDims
 
@@ -44,16 +46,18 @@ def header_lines(
     loader: THDDataLoader,
     validator: Validator | None,
     stage_lines: Sequence[str],
+    ac_regions: Mapping[str, str],
     peak_tflops: float,
 ) -> list[str]:
     """The header's lines, in order (warnings are marked `warning:`)."""
-    c, d = cfg, dims
+    c, d, ac = cfg, dims, cfg.activation_checkpoint
     lines = [
         c.job.description or "titan_thd",
         f"model {c.model.name}/{c.model.flavor}: {num_params:,} parameters, vocab {model_args.vocab_size} "
         f"(tokenizer {tokenizer.vocab_size}), dtype {c.training.dtype}",
         *([note] if (note := getattr(tokenizer, "added_tokens_note", str)()) else []),
         str(estimate_memory_per_rank(model, d, c.optimizer.name, dtype, muon_params)),
+        describe(ac.mode, ac.regions, ac.layers, ac_regions),
         *stage_lines,
     ]
     muon = next((o for o in optimizers if isinstance(o, Muon)), None)

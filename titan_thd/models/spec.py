@@ -16,7 +16,7 @@ model under `torch.manual_seed(seed)` on CPU, then shard it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -67,9 +67,12 @@ class ModelSpec:
     """The flavor of an empty `model.flavor` without a checkpoint to read the architecture from
     ("" = the first of `flavors`)."""
     parallelize: Callable[..., nn.Module] | None = None
-    """(model chunk, parallel_dims, *, parallelism, training) -> model: the model's fixed sequence
-    `apply_tp`, `apply_ep`, `apply_compile`, `apply_fsdp` on one pipeline chunk (or the whole model);
-    CP needs no wrapping (the layers read BatchMeta.cp)."""
+    """(model chunk, parallel_dims, *, parallelism, training, activation_checkpoint) -> model: the
+    model's fixed sequence `apply_tp`, `apply_ep`, `apply_compile`, `apply_ac`, `apply_fsdp` on one
+    pipeline chunk (or the whole model); CP needs no wrapping (the layers read BatchMeta.cp)."""
+    ac_regions: Mapping[str, str] = field(default_factory=dict)
+    """Region name -> what it recomputes, for activation_checkpoint.mode = selective (the model's
+    `apply_ac` wraps them); empty = only mode = full (docs/design.md §5.5)."""
     pipeline: PipelineSpec | None = None
     """How the model splits into pipeline stages; None = parallelism.pipeline_parallel_degree > 1 is
     refused."""

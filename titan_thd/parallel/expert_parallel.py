@@ -34,6 +34,8 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from titan_thd.parallel.recompute import decided_once
+
 
 def local_expert_ids(n_experts: int, ep: int, ep_rank: int) -> range:
     """Global ids of the experts rank `ep_rank` holds (a contiguous block of E / ep)."""
@@ -90,16 +92,8 @@ def dispatch_combine(
     n_experts = counts_E.numel()
     assert n_experts % ep == 0 and int(counts_E.sum()) == x_ND.shape[0], (counts_E, x_ND.shape, ep)
     per_rank = n_experts // ep
-    with torch.no_grad():
-        if _is_fake(group):  # a dry run's collectives return garbage: pretend every peer routes alike
-            recv_PL = counts_E.view(ep, per_rank).clone()
-        else:
-            recv_PL = torch.empty_like(counts_E)
-            dist.all_to_all_single(recv_PL, counts_E, group=group)
-            recv_PL = recv_PL.view(ep, per_rank)
-    # The split sizes must be host integers (one device-to-host sync per layer on a GPU).
-    send_splits = counts_E.view(ep, per_rank).sum(1).tolist()
-    recv_splits = recv_PL.sum(1).tolist()
+    # Decided once: a recomputation (activation_checkpoint) reuses the counts and split sizes.
+    recv_PL, send_splits, recv_splits = decided_once(lambda: _splits(counts_E, group, ep, per_rank))
     x_recv = all_to_all_single_autograd(x_ND, recv_splits, send_splits, group)
     # Received rows: peer-major, then local-expert-major. Group them by local expert (stable, so
     # each expert sees its rows peer by peer, as one process would see them by token order).
@@ -109,6 +103,21 @@ def dispatch_combine(
     y = experts(x_recv[order], recv_PL.sum(0).tolist())
     y_back = y[torch.argsort(order)]
     return all_to_all_single_autograd(y_back, send_splits, recv_splits, group)
+
+
+def _splits(
+    counts_E: torch.Tensor, group: dist.ProcessGroup, ep: int, per_rank: int
+) -> tuple[torch.Tensor, list[int], list[int]]:
+    """(rows each peer sends to each local expert [ep, L], send and receive split sizes): the counts'
+    all-to-all. The split sizes must be host integers (one device-to-host sync per layer on a GPU)."""
+    with torch.no_grad():
+        if _is_fake(group):  # a dry run's collectives return garbage: pretend every peer routes alike
+            recv_PL = counts_E.view(ep, per_rank).clone()
+        else:
+            recv_PL = torch.empty_like(counts_E)
+            dist.all_to_all_single(recv_PL, counts_E, group=group)
+            recv_PL = recv_PL.view(ep, per_rank)
+    return recv_PL, counts_E.view(ep, per_rank).sum(1).tolist(), recv_PL.sum(1).tolist()
 
 
 def validate_expert_parallel(*, degree: int, n_experts: int | None, model: str) -> None:

@@ -1,5 +1,5 @@
-"""Activation memory of one microbatch per layer: what each pipeline stage keeps per in-flight
-microbatch (docs/design.md §5.3).
+"""Activation memory of one microbatch per layer: what a rank (each pipeline stage) keeps per in-flight
+microbatch, and what a recomputation brings back for one layer (docs/design.md §5.3, §5.4).
 
 A stage keeps, for every microbatch whose backward has not run yet, what autograd saved in its
 forward. That is measured, not modelled: the model's forward and loss run once on one document of
@@ -13,21 +13,33 @@ experts per token, vocabulary). Each saved tensor is either linear in one width 
 the widths, so saved(1/f) = A/f + B: two narrow measurements (f and f/2) give A and B and so the
 full-width value (tested against a direct measurement). Not counted: context-parallel exchange
 buffers (the measurement runs without CP) and the transient memory inside one op.
+
+Under activation recomputation the measured model is the run's (its `parallelize` on one process
+applies the same `apply_ac`), so the hook sees what the checkpoints keep: the regions' inputs, and the
+decisions recorded for their recomputation (parallel/recompute.py). What a layer's recomputation holds
+again during its backward is that layer's bytes without recomputation less its bytes with it
+(`ActivationMemory.recompute`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+from torch import nn
 
 from titan_thd.components.loss import cross_entropy_sum
 from titan_thd.data.batch_meta import BatchMeta
 from titan_thd.data.packer import pack_microbatch
 from titan_thd.models.spec import ModelSpec, count_params
+from titan_thd.parallel.recompute import observe_decisions
+
+if TYPE_CHECKING:
+    from titan_thd.config import ActivationCheckpoint, Parallelism, Training
 
 logger = logging.getLogger("titan_thd")
 
@@ -57,11 +69,37 @@ class _Document:
     target_mask: np.ndarray
 
 
-def measure(spec: ModelSpec, args: Any, tokens: int, dtype: torch.dtype) -> SavedBytes:
-    """Saved bytes of one forward + loss of `spec.build(args)` on one document of `tokens` tokens."""
+Prepare = Callable[[nn.Module], nn.Module]
+"""A built model -> the model as the run computes it (its activation recomputation applied)."""
+
+
+def recomputation(
+    spec: ModelSpec, parallelism: Parallelism, training: Training, ac: ActivationCheckpoint
+) -> Prepare | None:
+    """The run's activation recomputation on every block of a model built in this process (the model's
+    `parallelize` on one process: no TP, EP or FSDP, eager), for `measure`; None for mode none."""
+    if ac.mode == "none":
+        return None
+    assert spec.parallelize is not None  # validate_combinations refused recomputation without it
+    from titan_thd.parallel.parallel_dims import ParallelDims
+
+    one = ParallelDims(pp=1, dp_shard=1, cp=1, tp=1, world_size=1)
+    eager, every_block = dataclasses.replace(training, compile=False), dataclasses.replace(ac, layers=0)
+    return lambda model: spec.parallelize(
+        model, one, parallelism=parallelism, training=eager, activation_checkpoint=every_block
+    )
+
+
+def measure(
+    spec: ModelSpec, args: Any, tokens: int, dtype: torch.dtype, prepare: Prepare | None = None
+) -> SavedBytes:
+    """Saved bytes of one forward + loss of `spec.build(args)` (through `prepare`) on one document of
+    `tokens` tokens."""
     with torch.random.fork_rng(devices=[]):  # the caller's RNG stream stays untouched
         torch.manual_seed(0)
         model = spec.build(args).to(dtype).train()
+    if prepare is not None:
+        model = prepare(model)
     rng = np.random.default_rng(0)
     doc = _Document(rng.integers(0, args.vocab_size, tokens), np.arange(tokens) > 0)
     batch = pack_microbatch([doc], tokens, 1, 0)
@@ -81,12 +119,17 @@ def measure(spec: ModelSpec, args: Any, tokens: int, dtype: torch.dtype) -> Save
             counts[where] = counts.get(where, 0) + storage.nbytes()
         return t
 
+    def decision(value: Any) -> None:  # kept for a recomputation: alive like a saved tensor
+        for t in value if isinstance(value, tuple) else (value,):
+            if isinstance(t, torch.Tensor):
+                pack(t)
+
     hooks = []
     for key, layer in model.layers.items():
         hooks.append(layer.register_forward_pre_hook(lambda m, a, key=key: state.update(layer=key)))
         hooks.append(layer.register_forward_hook(lambda m, a, o: state.update(layer=None, passed=True)))
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), observe_decisions(decision):
             out = model(batch.tokens, meta)
             loss = cross_entropy_sum(out.logits, batch.labels, batch.loss_mask)
             loss = loss + sum(out.aux_losses.values())
@@ -99,7 +142,12 @@ def measure(spec: ModelSpec, args: Any, tokens: int, dtype: torch.dtype) -> Save
 
 
 def estimate(
-    spec: ModelSpec, args: Any, tokens: int, dtype: torch.dtype, narrow_ok: bool = True
+    spec: ModelSpec,
+    args: Any,
+    tokens: int,
+    dtype: torch.dtype,
+    narrow_ok: bool = True,
+    prepare: Prepare | None = None,
 ) -> SavedBytes | None:
     """`measure` at full width when the model is small enough, else extrapolated from two narrowed
     copies (module docstring; minutes of CPU for DSv4-Flash, so only where `narrow_ok`, else None).
@@ -108,15 +156,15 @@ def estimate(
         n = count_params(spec.build(args))
     f = next((f for f in (64, 32, 16, 8, 4) if _narrows(spec, args, f)), None)
     if n <= MAX_MEASURED_PARAMS or f is None:
-        return measure(spec, args, tokens, dtype)
+        return measure(spec, args, tokens, dtype, prepare)
     if not narrow_ok:
         return None
     logger.info(
         "dry run: measuring the saved activations per layer on narrowed copies of the model (minutes)"
     )
     (narrow_a, kind_of), (narrow_b, _) = spec.narrow(args, f), spec.narrow(args, f // 2)
-    a = measure(spec, narrow_a, tokens, dtype)
-    b = measure(spec, narrow_b, tokens, dtype)
+    a = measure(spec, narrow_a, tokens, dtype, prepare)
+    b = measure(spec, narrow_b, tokens, dtype, prepare)
     full = extrapolate(a, b, f)
     return SavedBytes({str(i): full.layers[str(k)] for i, k in enumerate(kind_of)}, full.before, full.after)
 
@@ -143,3 +191,124 @@ def _narrows(spec: ModelSpec, args: Any, f: int) -> bool:
     except ValueError:
         return False
     return True
+
+
+RECOMPUTE_TOKENS = 2048
+"""What a layer's recomputation holds is measured on a document of at most this many tokens and
+scaled to T (linear in the tokens): measured at T it would hold, once at start-up, the activations of
+a whole forward without recomputation, the memory the recomputation is there to avoid."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ActivationMemory:
+    """Activation bytes of one microbatch, per layer, with and without the run's recomputation."""
+
+    plain: SavedBytes | None
+    """Saved from the forward to the backward without recomputation (None: not measured at T, since
+    every block is recomputed)."""
+    kept: SavedBytes
+    """The same with every block recomputed as the run's mode says (= plain for mode none)."""
+    recompute: dict[str, float]
+    """Layer key -> bytes its recomputation holds again while its backward runs (0 for mode none;
+    `activation_memory`); "after": the same for the blocks after the last layer (dsv4's MTP)."""
+    layers: int = 0
+    """activation_checkpoint.layers: only the first N blocks of each stage are recomputed (0 = all)."""
+    loss_grad: float = 0.0
+    """What the loss's backward holds at the start of the last stage's backward: the gradients of
+    the log-softmax and of the logits, [T, vocab] each in at least float32 (`loss_gradient_bytes`)."""
+
+    def stage(self, layer_keys: list[str], first: bool, last: bool) -> tuple[float, float]:
+        """(saved bytes per microbatch, the backward's largest transient) of one pipeline stage (or of
+        the whole model): its first `layers` blocks, the blocks after its last layer counted last,
+        keep `kept`, the others `plain`; one block is recomputed at a time, and not while the loss's
+        backward (last stage) holds its gradients."""
+        n = self.layers or len(layer_keys) + 1
+        wrapped, tail = layer_keys[:n], last and len(layer_keys) < n
+        plain = self.plain or self.kept
+        assert self.plain is not None or (len(wrapped) == len(layer_keys) and (tail or not last))
+        saved = sum(self.kept.layers[k] if k in wrapped else plain.layers[k] for k in layer_keys)
+        saved += first * self.kept.before + last * (self.kept.after if tail else plain.after)
+        peaks = [self.recompute[k] for k in wrapped] + [self.recompute["after"]] * tail
+        return saved, max([*peaks, last * self.loss_grad], default=0.0)
+
+
+def loss_gradient_bytes(args: Any, tokens: int, dtype: torch.dtype) -> float:
+    """ActivationMemory.loss_grad: cross-entropy's backward makes the gradient of the log-softmax and
+    from it the gradient of the logits ([T, vocab] each, float32 at least: components/loss.py
+    upcasts), both alive at once (measured: components/live_memory.py)."""
+    itemsize = torch.empty((), dtype=torch.promote_types(dtype, torch.float32)).element_size()
+    return 2.0 * tokens * args.vocab_size * itemsize
+
+
+_MEASURED: dict[str, ActivationMemory | None] = {}
+
+
+def activation_memory(
+    spec: ModelSpec,
+    args: Any,
+    tokens: int,
+    dtype: torch.dtype,
+    parallelism: Parallelism,
+    training: Training,
+    ac: ActivationCheckpoint,
+    narrow_ok: bool = True,
+) -> ActivationMemory | None:
+    """Saved bytes per layer of one microbatch of `tokens` tokens without and with the run's
+    recomputation, and what each layer's recomputation holds; None where `estimate` is None (a model
+    too large to measure). Measured once per process and setting (a test that starts several runs of
+    one model measures once; the one-process `parallelize` reads no parallelism degree).
+
+    What a layer's recomputation holds: under `full` the layer's plain bytes less what it keeps;
+    under `selective` the regions are recomputed one at a time (each at its own first unpack in the
+    backward), so the largest region's own bytes, each region measured alone."""
+    key = repr((spec.name, args, tokens, dtype, ac, narrow_ok))
+    if key not in _MEASURED:
+        _MEASURED[key] = _activation_memory(spec, args, tokens, dtype, parallelism, training, ac, narrow_ok)
+    return _MEASURED[key]
+
+
+def _activation_memory(spec, args, tokens, dtype, parallelism, training, ac, narrow_ok):
+    recompute = recomputation(spec, parallelism, training, ac)
+    kept = estimate(spec, args, tokens, dtype, narrow_ok, prepare=recompute)
+    if kept is None:
+        return None
+    loss_grad = loss_gradient_bytes(args, tokens, dtype)
+    if recompute is None:
+        return ActivationMemory(kept, kept, dict.fromkeys([*kept.layers, "after"], 0.0), 0, loss_grad)
+    short = min(tokens, RECOMPUTE_TOKENS)
+    plain_short = estimate(spec, args, short, dtype, narrow_ok)
+    kept_short = kept if short == tokens else estimate(spec, args, short, dtype, narrow_ok, prepare=recompute)
+    assert plain_short is not None and kept_short is not None
+    alone = [kept_short]
+    if ac.mode == "selective" and len(ac.regions) > 1:
+        one_region = [dataclasses.replace(ac, regions=(r,)) for r in ac.regions]
+        alone = [
+            estimate(spec, args, short, dtype, narrow_ok, recomputation(spec, parallelism, training, a))
+            for a in one_region
+        ]
+    scale = tokens / short
+
+    def held(plain: float, kept_alone: list[float]) -> float:
+        return max(max(0.0, plain - k) for k in kept_alone) * scale
+
+    back = {k: held(plain_short.layers[k], [a.layers[k] for a in alone]) for k in kept.layers}
+    back["after"] = held(plain_short.after, [a.after for a in alone])
+    plain = plain_short
+    if short < tokens:  # the blocks after the first `layers` of a stage keep their plain bytes at T
+        plain = estimate(spec, args, tokens, dtype, narrow_ok) if ac.layers else None
+    return ActivationMemory(plain, kept, back, ac.layers, loss_grad)
+
+
+def summary(acts: ActivationMemory, tokens: int, other_bytes: int) -> str:
+    """The log header's activation line of a run without pipeline parallelism (one microbatch in
+    flight at a time); `other_bytes`: the rank's parameters, gradients and optimizer state."""
+    from titan_thd.pipeline.split import size
+
+    saved, back = acts.stage(list(acts.kept.layers), first=True, last=True)
+    return (
+        f"activations per rank (measured per layer, docs/design.md §5.3): one microbatch of {tokens:,} "
+        f"tokens saves {size(saved)}"
+        + (f" + backward transient (recomputation or loss gradient) {size(back)}" if back else "")
+        + f" = {size(saved + back)}; total with parameters, gradients and optimizer state "
+        f"{size(saved + back + other_bytes)}"
+    )

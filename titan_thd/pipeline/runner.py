@@ -1,6 +1,6 @@
 """The front door of the model's execution: one `build` for every layout, one runner interface.
 
-    parts = build(model, spec, dims, parallelism=p, training=t, layers=layers, device=device)
+    parts = build(model, spec, dims, parallelism=p, training=t, activation_checkpoint=ac, layers=layers, ...)
     ce_sum, aux_sums = parts.runner.step(inputs, num_trained)   # forward + backward of a step
     ce_sum = parts.runner.forward_only(inputs)                   # validation
     clip_grad_norm_(parts.runner.norm_params(), ..., pp_group=parts.runner.pp_group,
@@ -8,7 +8,8 @@
 
 `build` cuts the model into this rank's pipeline stages when `layers` is given (split.py; the model's
 `PipelineSpec` says what sits where), runs the model's `parallelize` on each chunk (TP, EP, compile,
-FSDP: its own fixed sequence) and returns the rank's module (which owns the parameters: optimizer,
+activation recomputation, FSDP: its own fixed sequence; so `activation_checkpoint.layers` counts the
+blocks of each stage) and returns the rank's module (which owns the parameters: optimizer,
 checkpoint) with a runner: the `PipelineSchedule` (schedule.py), or without pipeline parallelism a
 `LocalRunner` with the same three methods, so that the trainer and validation have one code path.
 """
@@ -31,7 +32,7 @@ from titan_thd.pipeline.schedule import PipelineSchedule, StageInput, tied_group
 from titan_thd.pipeline.split import chunk_views, split_model
 
 if TYPE_CHECKING:
-    from titan_thd.config import Parallelism, Training
+    from titan_thd.config import ActivationCheckpoint, Parallelism, Training
     from titan_thd.data.packed_batch import PackedBatch
 
 
@@ -111,6 +112,7 @@ def build(
     *,
     parallelism: Parallelism,
     training: Training,
+    activation_checkpoint: ActivationCheckpoint,
     model_args,
     layers: list[list[int]] | None,
     device: torch.device,
@@ -129,7 +131,16 @@ def build(
         chunks = chunk_views(spec.pipeline, model, layers, pp_rank, pp, tied)
     num_params = count_params(model)
     if spec.parallelize is not None:  # each chunk is sharded as a model of its own
-        chunks = [spec.parallelize(c, dims, parallelism=parallelism, training=training) for c in chunks]
+        chunks = [
+            spec.parallelize(
+                c,
+                dims,
+                parallelism=parallelism,
+                training=training,
+                activation_checkpoint=activation_checkpoint,
+            )
+            for c in chunks
+        ]
     if fake:
         materialize_sharded(model)
     model = model.to(device).train()

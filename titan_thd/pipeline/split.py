@@ -30,7 +30,7 @@ from torch import nn
 if TYPE_CHECKING:
     from titan_thd.config import Parallelism
     from titan_thd.models.spec import PipelineSpec
-    from titan_thd.pipeline.activations import SavedBytes
+    from titan_thd.pipeline.activations import ActivationMemory
 
 
 # ============================================================================ start-up rules
@@ -219,13 +219,14 @@ def stage_summary(
     dtype: torch.dtype,
     optimizer: str = "adamw",
     matrix_params: Callable[[nn.Module], list[str]] | None = None,
-    saved: SavedBytes | None = None,
+    saved: ActivationMemory | None = None,
 ) -> list[str]:
     """One line per pipeline rank for the log header: its stages' layers, parameters, estimated
     memory per rank, the most microbatches whose boundary input it keeps alive at once (from the
-    schedule's timetable) and, given the measured saved-activation bytes per layer (`saved`), the
-    activation memory of that many in-flight microbatches. Built on the meta device: no memory,
-    any size."""
+    schedule's timetable) and, given the measured activation bytes per layer (`saved`), the
+    activation memory of that many in-flight microbatches plus the largest recomputation, and the
+    total with parameters, gradients and optimizer state. Built on the meta device: no memory, any
+    size."""
     from titan_thd.parallel.fsdp import estimate_memory_per_rank  # fsdp imports parallel_dims
     from titan_thd.pipeline.schedule import max_in_flight
 
@@ -254,15 +255,20 @@ def stage_summary(
             f"{mem}{tp_note}; in-flight microbatch inputs {flight} (boundary {list(shape)}, {schedule})"
         )
         if saved is not None:  # the rank's largest chunk, once per in-flight (chunk, microbatch)
-            chunk = max(
-                saved.of([str(i) for i in layers[s]], s == 0, s == len(layers) - 1)
+            per_chunk = [
+                saved.stage([str(i) for i in layers[s]], s == 0, s == len(layers) - 1)
                 for s in range(rank, len(layers), pp)
-            )
-            total = "" if n == "K" else f" = {_size(int(n) * chunk)}"
-            line += f"; saved activations <= {n} x {_size(chunk)}{total}"
+            ]
+            chunk, back = max(c for c, _ in per_chunk), max(b for _, b in per_chunk)
+            line += f"; saved activations <= {n} x {size(chunk)}"
+            if back:
+                line += f" + backward transient {size(back)}"
+            if n != "K":
+                acts = int(n) * chunk + back
+                line += f" = {size(acts)}; total {size(acts + mem.total_bytes)}"
         lines.append(line)
     return lines
 
 
-def _size(n_bytes: float) -> str:
+def size(n_bytes: float) -> str:
     return f"{n_bytes / 2**30:.2f} GiB" if n_bytes >= 2**30 else f"{n_bytes / 2**20:.1f} MiB"

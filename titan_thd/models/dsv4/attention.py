@@ -34,6 +34,7 @@ from titan_thd.models.dsv4.norm import RMSNorm, rms_norm
 from titan_thd.models.dsv4.plans import BatchPlan, CosSin
 from titan_thd.models.dsv4.rope import apply_rope
 from titan_thd.models.dsv4.sparse_attention import Band, sparse_mqa, window_band, with_entry_range
+from titan_thd.parallel.recompute import decided_once
 from titan_thd.parallel.tensor_parallel import local
 
 
@@ -75,9 +76,7 @@ class Attention(nn.Module):
         rope_k, rope_q = plan.rope(self.layer_type)
         x_RD = with_left_halo(x_TD, plan)
         cq_TQ = self.q_norm(self.wq_a(x_TD))
-        q_THD = F.linear(cq_TQ, local(self.wq_b.weight)).view(T, -1, D)  # this rank's heads
-        q_THD = apply_rope(self.head_norm(q_THD, self.eps).to(x_TD.dtype), *rope_q)
-        kv_RD = apply_rope(self.kv_norm(self.wkv(x_RD)), *rope_k)
+        q_THD, kv_RD = self.up_proj(cq_TQ, x_RD, rope_q, rope_k)
         # The window keys as a band: blocks of queries read contiguous key rows (docs/dsv4.md §16).
         band = window_band(plan.window_TW, plan.halo, min(self.block, T), kv_RD.shape[0])
         if self.compressor is None:  # sliding: the window keys only
@@ -93,7 +92,8 @@ class Attention(nn.Module):
 
         # CSA: the indexer's top-k entries; its KL loss teaches it the main attention's choice.
         q_I, w_I, k_I = self.indexer(x_RD.detach(), cq_TQ.detach(), plan, rope_q)
-        entries_TE = self.indexer.select(q_I, w_I, k_I, cplan)
+        # Decided once: a recomputation (activation_checkpoint) reuses the forward's entries.
+        entries_TE = decided_once(lambda: self.indexer.select(q_I, w_I, k_I, cplan))
         idx_TK = torch.where(entries_TE >= 0, entries_TE + kv_RD.shape[0], -1)
         out_TD, lse_TH = self._attend(q_THD, kv_SD, idx_TK, band, rope_q)
         if not with_kl or comp_CD.shape[0] == 0:
@@ -116,6 +116,19 @@ class Attention(nn.Module):
             lse_TH=lse_TH.detach() if sparse else None,
         )
         return out_TD, kl
+
+    def up_proj(
+        self, cq_TQ: torch.Tensor, x_RD: torch.Tensor, rope_q: CosSin, rope_k: CosSin
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(queries [T, H, D], K=V rows [R, D]): the query up-projection (this rank's heads), head norm
+        and RoPE; the K=V projection, norm and RoPE of the key rows. The `attn_up_proj` recompute
+        region (parallelize.apply_ac): its inputs are the query latent and the key rows, so the CP
+        halo exchange that made them is not repeated."""
+        T, D = cq_TQ.shape[0], self.head_dim
+        q_THD = F.linear(cq_TQ, local(self.wq_b.weight)).view(T, -1, D)
+        q_THD = apply_rope(self.head_norm(q_THD, self.eps).to(cq_TQ.dtype), *rope_q)
+        kv_RD = apply_rope(self.kv_norm(self.wkv(x_RD)), *rope_k)
+        return q_THD, kv_RD
 
     def _attend(
         self,

@@ -28,6 +28,7 @@ from torch import nn
 
 from titan_thd.models.dsv4.args import DSv4Args
 from titan_thd.ops.grouped_linear import grouped_linear
+from titan_thd.parallel.recompute import decided_once, in_recompute
 from titan_thd.parallel.tensor_parallel import local
 
 
@@ -148,8 +149,12 @@ class Gate(nn.Module):
         if self.hash_routed:
             experts_Tk = self.tid2eid[tokens_T]
         else:
-            experts_Tk = torch.topk(scores_TE + self.bias, self.topk, dim=-1, sorted=False).indices
-            if self.training:
+            # Decided once: a recomputation (activation_checkpoint) routes as the forward did, and
+            # counts no token again.
+            experts_Tk = decided_once(
+                lambda: torch.topk(scores_TE.detach() + self.bias, self.topk, dim=-1, sorted=False).indices
+            )
+            if self.training and not in_recompute():
                 self.load += torch.bincount(experts_Tk[real_T].flatten(), minlength=self.load.numel())
         weights_Tk = scores_TE.gather(1, experts_Tk)
         weights_Tk = weights_Tk / (weights_Tk.sum(-1, keepdim=True) + 1e-20) * self.route_scale
@@ -191,7 +196,7 @@ class MoE(nn.Module):
         counts_E = torch.bincount(flat, minlength=self.n_experts)
         x_sorted = x_TD[rows]
         if self.ep_group is None:
-            routed = self.experts(x_sorted, counts_E.tolist(), self.limit)
+            routed = self.experts(x_sorted, decided_once(counts_E.tolist), self.limit)
         else:
             from titan_thd.parallel.expert_parallel import dispatch_combine
 

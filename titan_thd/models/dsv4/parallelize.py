@@ -1,7 +1,11 @@
-"""Parallelise a DSv4 model: tensor parallel -> expert parallel -> compile -> FSDP, in that fixed
-order (context parallelism needs no wrapping: the attention reads BatchMeta.cp, contiguous mode
-only; under TP every tp rank exchanges its halo and entries with the CP neighbours of its own tp
-coordinate).
+"""Parallelise a DSv4 model: tensor parallel -> expert parallel -> compile -> activation
+recomputation -> FSDP, in that fixed order (context parallelism needs no wrapping: the attention reads
+BatchMeta.cp, contiguous mode only; under TP every tp rank exchanges its halo and entries with the CP
+neighbours of its own tp coordinate).
+
+Activation recomputation (docs/design.md §5.5, docs/dsv4.md §20): `full` checkpoints every block and
+the MTP block; `selective` the regions of `AC_REGIONS`, none of which holds a routing decision or a
+collective (router, indexer selection, dispatch and the CP exchanges stay outside them).
 
 Expert parallelism (docs/design.md §5.2): the stacked routed experts [E, out, in] become DTensors
 sharded over `ep` on the expert dimension; FSDP shards them as units of their own over `efsdp` on
@@ -37,7 +41,9 @@ from titan_thd.models.dsv4.model import DSv4Model
 from titan_thd.models.dsv4.moe import Expert, Experts, MoE, swiglu
 from titan_thd.models.dsv4.norm import RMSNorm, rms_norm_formula, weighted_rms_norm_formula
 from titan_thd.parallel import expert_parallel
+from titan_thd.parallel.activation_checkpoint import blocks_to_wrap
 from titan_thd.parallel.parallel_dims import ParallelDims
+from titan_thd.parallel.recompute import checkpoint_module, checkpointed
 from titan_thd.parallel.tensor_parallel import (
     GatherRows,
     ReplicatedFullGrad,
@@ -48,19 +54,73 @@ from titan_thd.parallel.tensor_parallel import (
 )
 
 if TYPE_CHECKING:
-    from titan_thd.config import Parallelism, Training
+    from titan_thd.config import ActivationCheckpoint, Parallelism, Training
 
 
 def parallelize_dsv4(
-    model: DSv4Model, parallel_dims: ParallelDims, *, parallelism: Parallelism, training: Training
+    model: DSv4Model,
+    parallel_dims: ParallelDims,
+    *,
+    parallelism: Parallelism,
+    training: Training,
+    activation_checkpoint: ActivationCheckpoint,
 ) -> DSv4Model:
     """The model (or one pipeline chunk of it) under the layout of `parallel_dims`."""
     apply_tp(model, parallel_dims)
     expert_units = apply_ep(model, parallel_dims)
     if training.compile:
         apply_compile(model)
+    # After the compile: it swaps in the compiled forms of the functions the regions wrap.
+    apply_ac(model, activation_checkpoint)
     apply_fsdp(model, parallel_dims, expert_units)
     return model
+
+
+AC_REGIONS = {
+    "mhc": "the hyper-connection maps of attention and MoE (normalised projection, sigmoids, Sinkhorn, "
+    "stream collapse)",
+    "indexer": "the lightning indexer's differentiable scores of its KL loss (CSA layers; the top-k "
+    "selection is kept)",
+    "attn_up_proj": "the query up-projection, head norm and RoPE, and the K=V projection, norm and RoPE",
+    "moe_act": "the clamped SwiGLU of the routed and the shared experts",
+    "experts": "the routed experts (after routing and dispatch)",
+    "norms": "every RMSNorm of the block",
+}
+"""ModelSpec.ac_regions: activation_checkpoint.regions this model recomputes (mode = selective)."""
+
+
+def _wrap_region(block: Block, region: str) -> None:
+    attn, ffn = block.attn, block.ffn
+    if region == "mhc":
+        checkpoint_module(block.hc_attn)
+        checkpoint_module(block.hc_ffn)
+    elif region == "indexer":
+        if attn.indexer is not None:
+            attn.indexer.scores = checkpointed(attn.indexer.scores)
+    elif region == "attn_up_proj":
+        attn.up_proj = checkpointed(attn.up_proj)
+    elif region == "moe_act":
+        for expert in (ffn.experts, ffn.shared_experts):
+            expert.act = checkpointed(expert.act)
+    elif region == "experts":
+        checkpoint_module(ffn.experts)
+    else:
+        assert region == "norms", region  # validate_activation_checkpoint refused the others
+        for norm in [m for m in block.modules() if isinstance(m, RMSNorm)]:
+            checkpoint_module(norm)
+
+
+def apply_ac(model: DSv4Model, ac: ActivationCheckpoint) -> None:
+    """Recompute the first `ac.layers` blocks of this chunk (0 = all; the MTP block comes last), whole
+    (`full`) or in the regions `ac.regions` (`selective`); non-reentrant, FQNs unchanged."""
+    if ac.mode == "none":
+        return
+    for block in blocks_to_wrap([*model.layers.values(), *(model.mtp or ())], ac.layers):
+        if ac.mode == "full":
+            checkpoint_module(block)
+        else:
+            for region in ac.regions:
+                _wrap_region(block, region)
 
 
 def tp_divides(args) -> dict[str, int]:

@@ -4,7 +4,7 @@ import dataclasses
 
 from titan_thd.models.llama.args import LlamaArgs, flavors, flops_per_step
 from titan_thd.models.llama.model import Llama, build_llama, padded_logits
-from titan_thd.models.llama.parallelize import apply_compile, parallelize_llama, tp_divides
+from titan_thd.models.llama.parallelize import AC_REGIONS, apply_compile, parallelize_llama, tp_divides
 from titan_thd.models.spec import ModelSpec, PipelineSpec
 
 
@@ -28,6 +28,7 @@ spec = ModelSpec(
     # Only the zigzag split balances causal attention (titan_thd.ops.cp_attention).
     cp_mode="zigzag",
     parallelize=parallelize_llama,
+    ac_regions=AC_REGIONS,
     pipeline=PipelineSpec(
         first=("tok_embeddings",),
         last=("norm", "output"),

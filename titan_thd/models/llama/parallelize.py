@@ -1,5 +1,5 @@
-"""Parallelise a Llama model: tensor parallel -> compile -> FSDP, in that fixed order (context
-parallelism needs no wrapping: the attention reads BatchMeta.cp).
+"""Parallelise a Llama model: tensor parallel -> compile -> activation recomputation -> FSDP, in that
+fixed order (context parallelism needs no wrapping: the attention reads BatchMeta.cp).
 
 docs/design.md §5.1: Megatron-style TP with sequence parallelism on the token rows and a
 vocabulary-parallel LM head (components/loss.py computes the loss on its `Shard(-1)` logits).
@@ -22,22 +22,56 @@ from torch.distributed.tensor.parallel import (
 
 from titan_thd.models.compile import compiled
 from titan_thd.models.llama.model import FeedForward, Llama, swiglu
+from titan_thd.parallel.activation_checkpoint import blocks_to_wrap
 from titan_thd.parallel.parallel_dims import ParallelDims
+from titan_thd.parallel.recompute import checkpoint_module
 from titan_thd.parallel.tensor_parallel import present
 
 if TYPE_CHECKING:
-    from titan_thd.config import Parallelism, Training
+    from titan_thd.config import ActivationCheckpoint, Parallelism, Training
 
 
 def parallelize_llama(
-    model: Llama, parallel_dims: ParallelDims, *, parallelism: Parallelism, training: Training
+    model: Llama,
+    parallel_dims: ParallelDims,
+    *,
+    parallelism: Parallelism,
+    training: Training,
+    activation_checkpoint: ActivationCheckpoint,
 ) -> Llama:
     """The model (or one pipeline chunk of it) under the layout of `parallel_dims`."""
     apply_tp(model, parallel_dims)
     if training.compile:
         apply_compile(model)
+    apply_ac(model, activation_checkpoint)
     apply_fsdp(model, parallel_dims)
     return model
+
+
+AC_REGIONS = {
+    "mlp": "the SwiGLU feed-forward (w1, w3, activation, w2)",
+    "norms": "attention_norm and ffn_norm",
+}
+"""ModelSpec.ac_regions: activation_checkpoint.regions this model recomputes (mode = selective)."""
+
+
+def apply_ac(model: Llama, ac: ActivationCheckpoint) -> None:
+    """Recompute the first `ac.layers` blocks of this chunk (0 = all), whole (`full`) or in the regions
+    `ac.regions` (`selective`); non-reentrant, FQNs unchanged. Under tensor parallelism a recomputed
+    block (or feed-forward) posts its TP collectives again in the backward, on every tp rank alike;
+    the modules' own input / output redistributions (PrepareModuleInput, SequenceParallel) run in their
+    `__call__` and are not repeated (docs/design.md §5.5)."""
+    if ac.mode == "none":
+        return
+    for block in blocks_to_wrap(list(model.layers.values()), ac.layers):
+        if ac.mode == "full":
+            checkpoint_module(block)
+            continue
+        if "mlp" in ac.regions:
+            checkpoint_module(block.feed_forward)
+        if "norms" in ac.regions:
+            checkpoint_module(block.attention_norm)
+            checkpoint_module(block.ffn_norm)
 
 
 def tp_divides(args) -> dict[str, int]:
