@@ -36,6 +36,7 @@ from titan_thd.components.optimizer import (
     clip_grad_norm_,
     default_matrix_params,
 )
+from titan_thd.components.precision import Precision
 from titan_thd.components.run_header import header_lines
 from titan_thd.components.validation import Validator
 from titan_thd.config import Config, help_text, load_config, to_toml
@@ -46,7 +47,7 @@ from titan_thd.data.packed_batch import PackedBatch
 from titan_thd.data.stores import build_stores
 from titan_thd.data.tokenizer import Tokenizer
 from titan_thd.inputs import cache_dir, check_inputs, data_layout, env_world_size, hybrid_threshold, preflight
-from titan_thd.models.spec import ModelSpec, as_dtype
+from titan_thd.models.spec import ModelSpec
 from titan_thd.parallel import distributed as dist_utils
 from titan_thd.parallel.context_parallel import resolve_mode
 from titan_thd.parallel.distributed import DistInfo
@@ -87,6 +88,8 @@ class Trainer:
     # ---- training state (checkpointed as "train_state")
     step: int
     tokens_seen: int
+    precision: Precision
+    """Master, compute and reduction dtypes (components/precision.py)."""
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
@@ -97,8 +100,10 @@ class Trainer:
         inputs = check_inputs(cfg, env_world_size("NGPU" if fake else "WORLD_SIZE"))
         self.spec, self.tokenizer, self.model_args = inputs.spec, inputs.tokenizer, inputs.model_args
         self.parallel_dims = dims = inputs.dims
+        self.precision = inputs.precision
 
-        self.dist = dist_utils.init_distributed(cfg.comm)
+        # Mixed precision is FSDP2's casting, on every layout: one process shards over a group of one.
+        self.dist = dist_utils.init_distributed(cfg.comm, single_rank_group=self.precision.mixed)
         if t.deterministic:
             torch.use_deterministic_algorithms(True)
         dims.build_meshes(self.dist.device.type)
@@ -127,7 +132,7 @@ class Trainer:
             logger.warning("model.hf_path: not loaded in a fake-process-group dry run (meta weights)")
         elif cfg.model.hf_path:  # full weights, before sharding; ValueError when the architecture differs
             self.spec.init_from_hf(model, cfg.model.hf_path)
-        model.to(as_dtype(t.dtype))
+        model.to(self.precision.master)  # FSDP casts what it gathers; the master stays in this dtype
         fingerprint = model_fingerprint([model], model=cfg.model.name, flavor=cfg.model.flavor)
         parts = build(
             model,
@@ -138,7 +143,7 @@ class Trainer:
             model_args=self.model_args,
             layers=inputs.stages,
             device=self.dist.device,
-            dtype=as_dtype(t.dtype),
+            precision=self.precision,
             fake=fake,
         )
         self.model, self.runner, self.param_count = parts.module, parts.runner, parts.num_params
@@ -161,7 +166,10 @@ class Trainer:
         self.peak_tflops = 0.0
         if self.dist.is_main:
             self.peak_tflops = peak_tflops_per_rank(
-                cfg.metrics, as_dtype(t.dtype), self.dist.device, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+                cfg.metrics,
+                self.precision.compute,
+                self.dist.device,
+                int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
             )
         dist_utils.barrier()
         self.metrics = MetricsLogger(cfg.metrics, cfg.job.dump_folder, enabled=self.dist.is_main)
@@ -303,6 +311,8 @@ class Trainer:
         """Flush the metrics and restore the signal handler (the process group stays up: main() ends it)."""
         self.metrics.close()
         self.checkpointer.close()
+        if self.dist.single_rank_group:  # the group of one this trainer started (mixed precision)
+            dist_utils.destroy()
 
     # ------------------------------------------------------------------ helpers
     def _token_stores(self):
@@ -353,7 +363,7 @@ class Trainer:
         return fake_step_fits(self.model, tokens, flops, self.peak_tflops)
 
     def _log_header(self, stages: list[list[int]] | None) -> None:
-        c, d, dtype = self.cfg, self.parallel_dims, as_dtype(self.cfg.training.dtype)
+        c, d, precision = self.cfg, self.parallel_dims, self.precision
         matrix_params = self.spec.matrix_params or default_matrix_params
         stage_lines = []
         if stages is not None:  # every stage's share, built on the meta device
@@ -364,16 +374,17 @@ class Trainer:
                 d,
                 c.parallelism.pipeline_parallel_schedule,
                 self.runner.shape,
-                dtype,
+                precision,
                 c.optimizer.name,
                 matrix_params,
                 activations.estimate(
                     self.spec,
                     self.model_args,
                     c.training.tokens_per_microbatch // d.cp,
-                    dtype,
+                    precision.compute,  # activations are in the compute dtype
                     narrow_ok=self.dist.fake,  # minutes of CPU for a Flash-sized model
                 ),
+                self.spec.expert_params,
             )
         for line in header_lines(
             c,
@@ -387,7 +398,7 @@ class Trainer:
             tokenizer=self.tokenizer,
             optimizers=self.optimizers.optimizers,
             muon_params=matrix_params(self.model) if c.optimizer.name == "muon" else (),
-            dtype=dtype,
+            precision=precision,
             loader=self.dataloader,
             validator=self.validator,
             stage_lines=stage_lines,

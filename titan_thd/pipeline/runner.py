@@ -31,6 +31,7 @@ from titan_thd.pipeline.schedule import PipelineSchedule, StageInput, tied_group
 from titan_thd.pipeline.split import chunk_views, split_model
 
 if TYPE_CHECKING:
+    from titan_thd.components.precision import Precision
     from titan_thd.config import Parallelism, Training
     from titan_thd.data.packed_batch import PackedBatch
 
@@ -114,12 +115,13 @@ def build(
     model_args,
     layers: list[list[int]] | None,
     device: torch.device,
-    dtype: torch.dtype,
+    precision: Precision,
     fake: bool = False,
 ) -> ModelParts:
     """This rank's part of the full `model` under the layout (`layers`: each pipeline stage's layer
-    ids, None without pipeline parallelism), on `device`, with its runner. Every rank must call it
-    (process groups of tied weights are created collectively)."""
+    ids, None without pipeline parallelism), on `device`, with its runner; the stages exchange
+    activations and their gradients in the compute dtype. Every rank must call it (process groups
+    of tied weights are created collectively)."""
     chunks, tied = [model], ()
     if layers is not None:  # keep this rank's stages only (before sharding them over dp x cp)
         assert spec.pipeline is not None, spec.name  # validate_pipeline refused it at start-up
@@ -129,7 +131,10 @@ def build(
         chunks = chunk_views(spec.pipeline, model, layers, pp_rank, pp, tied)
     num_params = count_params(model)
     if spec.parallelize is not None:  # each chunk is sharded as a model of its own
-        chunks = [spec.parallelize(c, dims, parallelism=parallelism, training=training) for c in chunks]
+        chunks = [
+            spec.parallelize(c, dims, parallelism=parallelism, training=training, precision=precision)
+            for c in chunks
+        ]
     if fake:
         materialize_sharded(model)
     model = model.to(device).train()
@@ -144,7 +149,7 @@ def build(
         dims.get_mesh("pp").get_group(),
         parallelism.pipeline_parallel_schedule,
         spec.pipeline.boundary_shape(model_args, training.tokens_per_microbatch // dims.cp),
-        dtype,
+        precision.compute,
         device,
         tied=[q for n in tied for q in getattr(model, n).parameters()] if on_end else [],
         tied_group=tied_group if on_end else None,

@@ -1,0 +1,212 @@
+"""Mixed precision through the Trainer on one process (FSDP2 over a group of one; docs/design.md §5.4).
+
+- the small-step test: one AdamW step at lr 1e-5 under bf16 compute on float32 master weights
+  moves every element whose gradient is nonzero; pure bf16 drops most of them (measured, printed);
+- the dtypes at each place: sharded master weights, their gradients and the optimizer state
+  float32; the parameters a unit gathers and the activations bfloat16; every FSDP unit reduces in
+  float32;
+- DCP resume is bitwise under mixed precision (float32 master state in the checkpoint), and a
+  checkpoint saved under one precision setting loads bitwise under the other.
+
+The tiny llama, one thread; bf16 compute is emulated on AVX2-only CPUs, which these tests allow
+(no timing, and only exact statements: an element moved or not, a dtype, a bitwise equality).
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor
+
+from tests.conftest import TRAIN_ARGS
+from titan_thd.config import load_config
+from titan_thd.train import Trainer
+
+pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
+MIXED = ("--training.dtype", "float32", "--training.mixed_precision_param", "bfloat16")
+FP32 = ("--training.dtype", "float32", "--training.mixed_precision_param", "float32")
+PURE = ("--training.dtype", "bfloat16", "--training.mixed_precision_param", "bfloat16")
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_llama):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield tiny_llama
+    torch.set_num_threads(threads)
+
+
+def config(dump: Path, steps: int, *extra: str):
+    return load_config(
+        [
+            *TRAIN_ARGS,
+            "--model.flavor",
+            "test_tiny",
+            "--data.cache_dir",
+            str(dump.parent / "data_cache"),
+            "--training.steps",
+            str(steps),
+            "--metrics.peak_tflops",
+            "1",
+            "--metrics.log_freq",
+            "100",
+            "--job.dump_folder",
+            str(dump),
+            *extra,
+        ]
+    )
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def one_small_step(dump: Path, *precision: str) -> tuple[int, int, int]:
+    """(elements with a nonzero gradient, how many of them the step left bitwise unchanged, all
+    elements) of one AdamW step at lr 1e-5 (no warmup, no decay, no clipping)."""
+    cfg = config(
+        dump,
+        1,
+        *precision,
+        "--optimizer.lr",
+        "1e-5",
+        "--optimizer.weight_decay",
+        "0",
+        "--lr_scheduler.warmup_steps",
+        "0",
+        "--lr_scheduler.decay",
+        "none",
+        "--training.max_norm",
+        "0",
+    )
+    trainer = Trainer(cfg)
+    try:
+        before = {n: full(p) for n, p in trainer.model.named_parameters()}
+        grads: dict[str, torch.Tensor] = {}
+        step = trainer.optimizers.step
+
+        def recording_step() -> None:
+            grads.update({n: full(p.grad) for n, p in trainer.model.named_parameters()})
+            step()
+
+        trainer.optimizers.step = recording_step
+        trainer.train()
+        after = {n: full(p) for n, p in trainer.model.named_parameters()}
+    finally:
+        trainer.close()
+    moved = nonzero = total = 0
+    for n in before:
+        g = grads[n] != 0
+        nonzero += int(g.sum())
+        moved += int((after[n] != before[n])[g].sum())
+        total += g.numel()
+        assert torch.equal(after[n][~g], before[n][~g]), n  # no gradient, no decay: no change
+    return nonzero, nonzero - moved, total
+
+
+def test_small_step_mixed_moves_every_weight_pure_bf16_drops_most(tiny, tmp_path):
+    nonzero, unchanged, total = one_small_step(tmp_path / "mixed", *MIXED)
+    assert nonzero > 0.8 * total  # all but embedding rows of tokens not in the batch
+    assert unchanged == 0, f"{unchanged} of {nonzero} elements with a gradient did not move"
+    nonzero_bf16, lost, _ = one_small_step(tmp_path / "pure", *PURE)
+    print(
+        f"one AdamW step at lr 1e-5: mixed bf16 left 0 of {nonzero} elements with a gradient unchanged; "
+        f"pure bf16 left {lost} of {nonzero_bf16} ({lost / nonzero_bf16:.0%}) unchanged"
+    )
+    # |update| ~ lr = 1e-5 < half a bf16 step of |w| > 2.6e-3: most of the 0.02-std init and all the norms.
+    assert lost > 0.5 * nonzero_bf16
+
+
+def test_dtypes_at_each_place(tiny, tmp_path):
+    """Master weights, gradients and AdamW state float32 (sharded, on a mesh of one rank); inside
+    the forward each block's parameters and activations bfloat16; reduction float32; the loss
+    float32 (the logits are upcast inside the loss)."""
+    trainer = Trainer(config(tmp_path, 1, *MIXED))
+    seen: list[tuple[str, torch.dtype, torch.dtype]] = []
+    try:
+        from torch.distributed.fsdp import FSDPModule
+
+        units = [m for m in trainer.model.modules() if isinstance(m, FSDPModule)]
+        assert len(units) == 3  # two blocks and the root
+        for u in units:
+            mp = u._get_fsdp_state()._mp_policy
+            assert (mp.param_dtype, mp.reduce_dtype) == (torch.bfloat16, torch.float32)
+        wq = trainer.model.layers["0"].attention.wq
+        wq.register_forward_hook(lambda m, args, out: seen.append(("wq", m.weight.dtype, out.dtype)))
+        head = trainer.model.output
+        head.register_forward_hook(lambda m, args, out: seen.append(("output", args[0].dtype, out.dtype)))
+        trainer.train()
+        for n, p in trainer.model.named_parameters():
+            assert isinstance(p, DTensor) and p.dtype == torch.float32, n
+            assert p.grad is not None and p.grad.dtype == torch.float32, n
+        states = trainer.optimizers.optimizers[0].state.values()
+        assert states and all(s["exp_avg"].dtype == s["exp_avg_sq"].dtype == torch.float32 for s in states)
+    finally:
+        trainer.close()
+    assert seen and all(w == o == torch.bfloat16 for _, w, o in seen), seen
+    assert {name for name, *_ in seen} == {"wq", "output"}
+
+
+def records(dump: Path) -> list[dict]:
+    return [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+
+
+def state_of(trainer: Trainer) -> tuple[dict, list]:
+    params = {n: full(p) for n, p in trainer.model.named_parameters()}
+    states = [
+        {k: full(v) for k, v in s.items()} for o in trainer.optimizers.optimizers for s in o.state.values()
+    ]
+    return params, states
+
+
+def train(cfg) -> tuple[dict, list]:
+    trainer = Trainer(cfg)
+    try:
+        trainer.train()
+        return state_of(trainer)
+    finally:
+        trainer.close()
+
+
+CKPT = ("--checkpoint.enable", "true", "--lr_scheduler.warmup_steps", "1", "--lr_scheduler.total_steps", "4")
+
+
+def test_resume_bitwise_and_across_precision_settings(tiny, tmp_path):
+    """4 steps straight == 2 + resume + 2 under mixed bf16 (losses, weights and optimizer state
+    bitwise); the step-2 checkpoint holds float32 master state, so a float32 run resumed from it
+    starts from bitwise the same weights and AdamW state, and a mixed run resumes bitwise from a
+    float32 run's checkpoint."""
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    final = train(config(straight, 4, *MIXED, *CKPT))
+    at_two = train(config(split, 2, *MIXED, *CKPT))
+    _assert_bitwise(train(config(split, 4, *MIXED, *CKPT)), final)
+    assert [r["loss"] for r in records(split)] == [r["loss"] for r in records(straight)]
+
+    for saved, other in ((MIXED, FP32), (FP32, MIXED)):
+        src = tmp_path / f"src_{saved[-1]}"
+        expect = at_two if saved is MIXED else train(config(src, 2, *saved, *CKPT))
+        if saved is MIXED:
+            src = split
+        dst = tmp_path / f"dst_{other[-1]}"
+        (dst / "checkpoint").mkdir(parents=True)
+        (dst / "checkpoint" / "step-2").symlink_to(src / "checkpoint" / "step-2")
+        trainer = Trainer(config(dst, 2, *other, *CKPT))
+        try:
+            trainer.checkpointer.load()
+            _assert_bitwise(state_of(trainer), expect)
+            assert trainer.step == 2
+        finally:
+            trainer.close()
+
+
+def _assert_bitwise(got: tuple[dict, list], expect: tuple[dict, list]) -> None:
+    (p1, s1), (p2, s2) = got, expect
+    assert p1.keys() == p2.keys()
+    for n in p1:
+        assert p1[n].dtype == torch.float32 and torch.equal(p1[n], p2[n]), n
+    assert len(s1) == len(s2)
+    for a, b in zip(s1, s2, strict=True):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert torch.equal(a[k], b[k]), k
