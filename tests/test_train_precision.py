@@ -210,3 +210,158 @@ def _assert_bitwise(got: tuple[dict, list], expect: tuple[dict, list]) -> None:
         assert a.keys() == b.keys()
         for k in a:
             assert torch.equal(a[k], b[k]), k
+
+
+# ---------------------------------------------------------------- losses over 20 steps, layouts
+U_BF16 = 2.0**-8
+"""bf16's unit roundoff (8 significant bits): the relative error of rounding one value to bf16."""
+
+LLAMA = ("--job.config_file", "train_configs/debug_dense_thd.toml", "--model.flavor", "test_tiny")
+DSV4 = ("--job.config_file", "train_configs/dsv4_flash_thd.toml", "--model.flavor", "micro")
+SMALL = ("--training.global_batch_size", "4", "--training.tokens_per_microbatch", "256")
+
+
+def losses(dump: Path, steps: int, *extra: str) -> list[float]:
+    cfg = load_config(
+        [
+            *extra,
+            "--training.steps",
+            str(steps),
+            "--data.cache_dir",
+            str(dump.parent / "data_cache"),
+            "--metrics.enable_tensorboard",
+            "false",
+            "--metrics.peak_tflops",
+            "1",
+            "--metrics.log_freq",
+            "100",
+            "--job.dump_folder",
+            str(dump),
+        ]
+    )
+    trainer = Trainer(cfg)
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    return [r["loss"] for r in records(dump)]
+
+
+def assert_mixed_tracks_float32(tmp_path: Path, recipe: tuple[str, ...], steps: int) -> None:
+    """Bound: every step's mixed loss within U_BF16 (relative) of the float32 run's, i.e. within
+    one bf16 rounding of the loss itself. Why it holds: the master weights take the float32
+    update every step, so the runs differ only by the bf16 rounding inside each forward and
+    backward (relative ~U_BF16 per operation, independent across the thousands of tokens a loss
+    averages, so the mean moves far less) and by the gradient's own relative ~U_BF16 perturbation
+    carried by lr-sized steps; nothing accumulates the way lost updates do. Pure bf16, whose
+    updates below ~|w| / 256 vanish, is farther from float32 on average."""
+    ref = losses(tmp_path / "fp32", steps, *recipe, *SMALL, *FP32)
+    mixed = losses(tmp_path / "mixed", steps, *recipe, *SMALL, *MIXED)
+    pure = losses(tmp_path / "pure", steps, *recipe, *SMALL, *PURE)
+    rel_mixed = [abs(a - b) / b for a, b in zip(mixed, ref, strict=True)]
+    rel_pure = [abs(a - b) / b for a, b in zip(pure, ref, strict=True)]
+    print(
+        f"{recipe[1]}, {steps} steps, max / mean |dloss| / loss vs float32: mixed bf16 "
+        f"{max(rel_mixed):.1e} / {sum(rel_mixed) / steps:.1e}, pure bf16 {max(rel_pure):.1e} / "
+        f"{sum(rel_pure) / steps:.1e} (bound {U_BF16:.1e})"
+    )
+    assert len(ref) == steps and ref[-1] < ref[0]  # it trains
+    assert max(rel_mixed) <= U_BF16, rel_mixed
+    assert sum(rel_mixed) < sum(rel_pure)
+
+
+@pytest.mark.slow
+def test_mixed_losses_track_float32_llama(tiny, tmp_path):
+    assert_mixed_tracks_float32(tmp_path, LLAMA, 20)
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+def test_mixed_losses_track_float32_dsv4(tmp_path):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert_mixed_tracks_float32(tmp_path, DSV4, 20)
+    finally:
+        torch.set_num_threads(threads)
+
+
+LAYOUTS = {  # name: (recipe, layout)
+    "dp2": (LLAMA, ("--parallelism.data_parallel_shard_degree", "2")),
+    "pp2": (LLAMA, ("--parallelism.pipeline_parallel_degree", "2")),
+    "tp2": (LLAMA, ("--parallelism.tensor_parallel_degree", "2")),
+    "cp2": (LLAMA, ("--parallelism.context_parallel_degree", "2")),
+    "ep2": (DSV4, ("--parallelism.expert_parallel_degree", "2")),
+}
+LAYOUT_STEPS = 3
+
+
+def _layout_runs(rank: int, world_size: int, base: Path, names: list[str]) -> dict[str, list[float]]:
+    import os
+
+    from tests import _tiny_llama
+
+    _tiny_llama.register()
+    os.environ |= {"WORLD_SIZE": str(world_size), "RANK": str(rank), "LOCAL_RANK": str(rank)}
+    torch.manual_seed(0)
+    out = {}
+    for name in names:
+        recipe, layout = LAYOUTS[name]
+        dump = base / name
+        cfg = load_config(
+            [
+                *recipe,
+                *SMALL,
+                *MIXED,
+                *layout,
+                "--training.steps",
+                str(LAYOUT_STEPS),
+                "--job.dump_folder",
+                str(dump),
+            ]
+            + ["--data.cache_dir", str(base / "data_cache"), "--metrics.enable_tensorboard", "false"]
+            + ["--metrics.peak_tflops", "1"]
+        )
+        trainer = Trainer(cfg)
+        try:
+            if name == "pp2":  # the boundary tensors are allocated (and checked) in the compute dtype
+                assert trainer.runner.dtype == torch.bfloat16
+            trainer.train()
+            for n, p in trainer.model.named_parameters():
+                assert p.dtype == torch.float32 and p.grad.dtype == torch.float32, (name, n)
+        finally:
+            trainer.close()
+        out[name] = [r["loss"] for r in records(dump)] if rank == 0 else []
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "names",
+    [
+        ["dp2", "pp2"],
+        pytest.param(["tp2", "cp2", "ep2"], marks=pytest.mark.extended),
+    ],
+    ids=["dp-pp", "tp-cp-ep"],
+)
+def test_parallel_layouts_under_mixed_equal_one_process(tiny, tmp_path, names):
+    """Each layout under mixed bf16 vs one process under mixed bf16, 3 steps (dsv4 for ep).
+    Bound 2 U_BF16 per step: both runs compute the same float32-master step; a layout only
+    changes which bf16 roundings happen (tp rounds each partial matmul sum before its all-reduce,
+    dp and cp split the rows and the attention, pp sends bf16 boundary tensors, ep sends bf16
+    tokens to the experts), each a relative U_BF16 of its value, so each run is within U_BF16 of
+    the exact step (the bound of `assert_mixed_tracks_float32`) and the two within twice that."""
+    from tests._dist import spawn
+
+    refs = {
+        recipe: losses(
+            tmp_path / f"one_{recipe[1].rsplit('/', 1)[-1]}", LAYOUT_STEPS, *recipe, *SMALL, *MIXED
+        )
+        for recipe in {LAYOUTS[n][0] for n in names}
+    }
+    runs = spawn(_layout_runs, 2, tmp_path, names, timeout=1200)[0]
+    for name, got in runs.items():
+        one = refs[LAYOUTS[name][0]]
+        rel = [abs(a - b) / b for a, b in zip(got, one, strict=True)]
+        print(f"{name}: max |dloss| / loss vs one process {max(rel):.1e}")
+        assert max(rel) <= 2 * U_BF16, (name, rel)
