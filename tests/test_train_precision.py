@@ -365,3 +365,50 @@ def test_parallel_layouts_under_mixed_equal_one_process(tiny, tmp_path, names):
         rel = [abs(a - b) / b for a, b in zip(got, one, strict=True)]
         print(f"{name}: max |dloss| / loss vs one process {max(rel):.1e}")
         assert max(rel) <= 2 * U_BF16, (name, rel)
+
+
+@pytest.mark.slow
+def test_hf_export_of_a_mixed_run_is_its_float32_master(tmp_path):
+    """convert_hf.py to-hf of a checkpoint saved under mixed bf16 writes what it writes for a
+    float32 run: float32 tensors (config dtype float32), bitwise the master weights, not their
+    bf16 compute copies."""
+    import importlib.util
+
+    from safetensors.torch import load_file
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    dump = tmp_path / "run"
+    cfg = load_config(
+        [*DSV4, *SMALL, *MIXED, "--training.steps", "1", "--checkpoint.enable", "true"]
+        + [
+            "--job.dump_folder",
+            str(dump),
+            "--metrics.enable_tensorboard",
+            "false",
+            "--metrics.peak_tflops",
+            "1",
+        ]
+        + ["--data.cache_dir", str(tmp_path / "data_cache")]
+    )
+    trainer = Trainer(cfg)
+    try:
+        trainer.train()
+        master = {n: full(p) for n, p in trainer.model.named_parameters()}
+    finally:
+        trainer.close()
+        torch.set_num_threads(threads)
+    script = Path(__file__).resolve().parents[1] / "scripts" / "convert_hf.py"
+    spec = importlib.util.spec_from_file_location("convert_hf", script)
+    convert = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(convert)
+    out = tmp_path / "hf"
+    assert convert.main(["to-hf", str(dump / "checkpoint" / "step-1"), str(out), "--flavor", "micro"]) == 0
+    assert json.loads((out / "config.json").read_text())["dtype"] == "float32"
+    exported = load_file(str(out / "model.safetensors"))
+    assert exported and all(v.dtype == torch.float32 for v in exported.values() if v.is_floating_point())
+    from titan_thd.models.dsv4 import load_hf
+
+    back, _ = load_hf(out)
+    for n, p in back.named_parameters():
+        assert torch.equal(p, master[n]), n
