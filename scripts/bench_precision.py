@@ -37,11 +37,13 @@ AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "O
 PHASES = ("forward_backward", "comm", "optimizer", "data")
 
 
-def run(recipe: str, variant: str, steps: int, threads: int, env_extra: dict, folder: Path) -> list[dict]:
+def run(
+    recipe: str, variant: str, steps: int, threads: int, env_extra: dict, folder: Path, extra: list[str]
+) -> list[dict]:
     args = [
         sys.executable, "-m", "titan_thd.train", "--job.config_file", str(ROOT / "train_configs" / recipe),
         "--training.steps", str(steps), "--job.dump_folder", str(folder), "--metrics.enable_tensorboard", "false",
-        "--metrics.log_freq", str(steps), *VARIANTS[variant],
+        "--metrics.log_freq", str(steps), *extra, *VARIANTS[variant],
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), **env_extra}
     out = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True)
@@ -64,6 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2, help="OMP_NUM_THREADS of the training process")
     ap.add_argument("--avx2", action="store_true", help="imitate an AVX2-only CPU (bf16 emulated)")
     ap.add_argument("--json", default="", help="write the report here")
+    ap.add_argument(
+        "--set", default="", help="config overrides for every run, e.g. '--training.global_batch_size 4'"
+    )
     opts = ap.parse_args(argv)
 
     import torch
@@ -78,16 +83,26 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     machine = probe.stdout.strip()
     print(f"# {machine}; torch {torch.__version__}; {opts.threads} threads; {hardware.cpu_model_name()}")
-    report = {"machine": machine, "cpu": hardware.cpu_model_name(), "avx2_emulation": opts.avx2, "rows": []}
+    report = {
+        "machine": machine,
+        "cpu": hardware.cpu_model_name(),
+        "avx2_emulation": opts.avx2,
+        "overrides": opts.set,
+        "rows": [],
+    }
     for recipe in opts.recipes:
         records: dict[str, list[list[dict]]] = {v: [] for v in opts.variants}
         with tempfile.TemporaryDirectory() as tmp:
             for r in range(opts.rounds):
                 for v in opts.variants:
                     folder = Path(tmp) / f"{v.replace(' ', '_')}_{r}"
-                    records[v].append(run(recipe, v, opts.steps, opts.threads, env_extra, folder))
+                    records[v].append(
+                        run(recipe, v, opts.steps, opts.threads, env_extra, folder, opts.set.split())
+                    )
         reference = records.get("float32", [None])[0]
-        print(f"\n{recipe}, {opts.steps} steps x {opts.rounds} rounds (medians of steps > {opts.skip})")
+        print(
+            f"\n{recipe} {opts.set}, {opts.steps} steps x {opts.rounds} rounds (medians of steps > {opts.skip})"
+        )
         head = f"{'variant':<11} {'tokens/s':>9} {'step s':>7} " + " ".join(f"{p:>16}" for p in PHASES)
         print(head + f" {'last loss':>9} {'max |dloss|/loss vs fp32':>24}")
         for v in opts.variants:

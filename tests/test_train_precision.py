@@ -371,8 +371,9 @@ def test_parallel_layouts_under_mixed_equal_one_process(tiny, tmp_path, names):
 
 
 @pytest.mark.slow
-def test_hf_export_of_a_mixed_run_is_its_float32_master(tmp_path):
-    """convert_hf.py to-hf of a checkpoint saved under mixed bf16 writes what it writes for a
+def test_dsv4_float32_parts_and_hf_export_of_a_mixed_run(tmp_path):
+    """dsv4 under mixed bf16: the mHC computes on float32 parameters and the router's weights come
+    out float32 (docs/design.md §5.4). convert_hf.py to-hf of a checkpoint saved under mixed bf16 writes what it writes for a
     float32 run: float32 tensors (config dtype float32), bitwise the master weights, not their
     bf16 compute copies."""
     import importlib.util
@@ -395,12 +396,37 @@ def test_hf_export_of_a_mixed_run_is_its_float32_master(tmp_path):
         + ["--data.cache_dir", str(tmp_path / "data_cache")]
     )
     trainer = Trainer(cfg)
+    seen: dict[str, set] = {"hc_fn": set(), "hc_out": set(), "gate_w": set(), "gate_out": set()}
     try:
+        from titan_thd.models.dsv4.mhc import HyperConnection
+        from titan_thd.models.dsv4.moe import Gate
+
+        def hc_hook(m, args, out) -> None:
+            seen["hc_fn"].add(m.fn.dtype)
+            seen["hc_out"].add(out[0].dtype)
+
+        def gate_hook(m, args, out) -> None:
+            seen["gate_w"].add(m.weight.dtype)
+            seen["gate_out"].add(out[1].dtype)
+
+        for m in trainer.model.modules():
+            if isinstance(m, HyperConnection):
+                m.register_forward_hook(hc_hook)
+            if isinstance(m, Gate):
+                m.register_forward_hook(gate_hook)
         trainer.train()
         master = {n: full(p) for n, p in trainer.model.named_parameters()}
     finally:
         trainer.close()
         torch.set_num_threads(threads)
+    # mHC: float32 parameters (a unit without casting), its collapse of the bf16 streams bf16; the
+    # router: a bf16 gathered weight, its routing weights computed in float32.
+    assert seen == {
+        "hc_fn": {torch.float32},
+        "hc_out": {torch.bfloat16},
+        "gate_w": {torch.bfloat16},
+        "gate_out": {torch.float32},
+    }
     script = Path(__file__).resolve().parents[1] / "scripts" / "convert_hf.py"
     spec = importlib.util.spec_from_file_location("convert_hf", script)
     convert = importlib.util.module_from_spec(spec)
