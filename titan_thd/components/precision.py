@@ -17,10 +17,10 @@ updates below ~|w| / 256 round away: docs/design.md §5.4). Compute wider than t
 
     master float64    -> float64   (parity runs: nothing may round on the way)
     master bfloat16   -> bfloat16  (pure bf16, as asked)
-    master float32    -> bfloat16 on CUDA GPUs with native bf16; float32 on CPUs, also those with
-                         AVX512-BF16 / AMX: measured there, mixed bf16 steps are slower than float32
-                         ones for both recipes (scripts/bench_precision.py, docs/design.md §5.4), and
-                         an AVX2 CPU emulates bf16 (~10x slower matmuls)
+    master float32    -> bfloat16 on CUDA GPUs with native bf16 (the references' default; this
+                         project has not timed a GPU); float32 on CPUs: an AVX2 CPU emulates bf16,
+                         and on an AMX CPU mixed bf16 has not been measured faster for both recipes
+                         (scripts/bench_precision.py; README, "Precision")
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def auto_compute(master: torch.dtype, hw: Hardware) -> tuple[torch.dtype, str]:
     if hw.native_bf16_matmul and hw.device.startswith("cuda"):
         return torch.bfloat16, "native bf16 matmul on a CUDA GPU"
     if hw.native_bf16_matmul:
-        return torch.float32, "native bf16 on this CPU, but mixed bf16 steps measured slower than float32"
+        return torch.float32, "native bf16 on this CPU, but mixed bf16 not measured faster for both recipes"
     return torch.float32, "bf16 is emulated on this CPU (no native bf16 matmul)"
 
 
