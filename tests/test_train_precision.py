@@ -6,9 +6,15 @@
   float32; the parameters a unit gathers and the activations bfloat16; every FSDP unit reduces in
   float32;
 - DCP resume is bitwise under mixed precision (float32 master state in the checkpoint), and a
-  checkpoint saved under one precision setting loads bitwise under the other.
+  checkpoint saved under one precision setting loads bitwise under the other;
+- 20 steps of both recipes: mixed bf16 within one bf16 roundoff of float32 per step, pure bf16
+  farther (extended: a minute or more each);
+- parallel layouts under mixed bf16 vs one process under mixed bf16 (dp, pp; tp, cp and dsv4's
+  ep extended), bound 2 bf16 roundoffs;
+- dsv4: the mHC and the router compute in float32; the HF export of a mixed run is its float32
+  master.
 
-The tiny llama, one thread; bf16 compute is emulated on AVX2-only CPUs, which these tests allow
+The tiny llama (dsv4 micro for ep and the export), one thread; bf16 compute is emulated on AVX2-only CPUs, which these tests allow
 (no timing, and only exact statements: an element moved or not, a dtype, a bitwise equality).
 """
 
