@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
+from titan_thd.components.precision import ComputeChoice, ReduceChoice, validate_precision
 from titan_thd.data.planner import Policy
 from titan_thd.data.sources import Schema
 from titan_thd.data.tokenizer import ChatTemplate
@@ -143,7 +144,19 @@ class Training:
     max_norm: float = 1.0
     """Gradient clipping norm (0 disables clipping)."""
     dtype: Literal["float32", "bfloat16", "float64"] = "float32"
-    """Parameter and compute dtype: `float32`, `bfloat16` or `float64` (exact parity checks)."""
+    """Master dtype: of the parameters the optimizer steps, their reduced gradients, the optimizer
+    state and the checkpoint: `float32`, `bfloat16` or `float64` (exact parity checks). `bfloat16`
+    is pure bf16 (no float32 copy anywhere: updates below ~|w| / 256 are lost, a start-up warning says
+    so); for bf16 compute on float32 weights keep `float32` and set mixed_precision_param."""
+    mixed_precision_param: ComputeChoice = "auto"
+    """Compute dtype of forward and backward (FSDP2 gathers the parameters in it, on every layout, one
+    process too): `bfloat16` on float32 master weights is mixed precision; `float32`; `auto` (training.dtype
+    itself, except float32 masters on a CUDA GPU with native bf16: bfloat16; CPUs compute float32, see
+    README "Precision"; printed in the log header). Wider than training.dtype is refused."""
+    mixed_precision_reduce: ReduceChoice = "float32"
+    """Mixed precision: dtype of the gradient reduce-scatter and of the gradients FSDP accumulates
+    unsharded between pipeline microbatches: `float32` (sums of many ranks keep their small terms) or
+    `bfloat16` (half the bytes; needs bf16 compute). A pure run reduces in training.dtype."""
     deterministic: bool = False
     """Use deterministic algorithms (for bitwise comparisons)."""
     compile: bool = False
@@ -588,6 +601,7 @@ def validate(cfg: Config) -> None:
     positive("training.tokens_per_microbatch", t.tokens_per_microbatch)
     positive("training.max_norm", t.max_norm, allow_zero=True)
     positive("training.planner_cost_attention", t.planner_cost_attention, allow_zero=True)
+    validate_precision(t.dtype, t.mixed_precision_param, t.mixed_precision_reduce)
     positive("optimizer.lr", cfg.optimizer.lr)
     positive("optimizer.weight_decay", cfg.optimizer.weight_decay, allow_zero=True)
     positive("lr_scheduler.warmup_steps", cfg.lr_scheduler.warmup_steps, allow_zero=True)

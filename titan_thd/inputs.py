@@ -29,7 +29,9 @@ from typing import Any, NamedTuple
 
 import torch
 
+from titan_thd.components import hardware
 from titan_thd.components.checkpoint import CheckpointManager, model_fingerprint
+from titan_thd.components.precision import Precision, resolve_precision
 from titan_thd.config import Config, Parallelism, coerce, validate
 from titan_thd.data.dataloader import DataLayout, OrderedSteps, build_dataloader
 from titan_thd.data.rows import RowRule, row_rule
@@ -39,6 +41,7 @@ from titan_thd.models import get_model_args, get_model_spec
 from titan_thd.models.spec import ModelSpec
 from titan_thd.parallel.activation_checkpoint import validate_activation_checkpoint
 from titan_thd.parallel.context_parallel import CPMode, resolve_mode, validate_context_parallel
+from titan_thd.parallel.distributed import env_device
 from titan_thd.parallel.expert_parallel import validate_expert_parallel
 from titan_thd.parallel.fsdp import build_on_meta
 from titan_thd.parallel.parallel_dims import ParallelDims
@@ -103,6 +106,8 @@ class Inputs(NamedTuple):
     dims: ParallelDims
     stages: list[list[int]] | None
     """Each pipeline stage's layer ids (None without pipeline parallelism)."""
+    precision: Precision
+    """Master, compute and reduction dtypes on this machine (training.mixed_precision_param = auto resolved)."""
 
 
 def check_inputs(cfg: Config, world_size: int) -> Inputs:
@@ -208,7 +213,11 @@ def check_inputs(cfg: Config, world_size: int) -> Inputs:
         ) from None
     microbatch_rule(cfg, spec, model_args)  # the microbatches the loader can emit, T the largest of them
     check_validation_path(cfg.validation, cfg.data.source)
-    return Inputs(spec, tokenizer, model_args, dims, stages)
+    device = torch.device("cpu") if cfg.comm.mode == "fake" else env_device()
+    precision = resolve_precision(
+        t.dtype, t.mixed_precision_param, t.mixed_precision_reduce, hardware.detect(device)
+    )
+    return Inputs(spec, tokenizer, model_args, dims, stages, precision)
 
 
 def validate_combinations(cfg: Config, spec: ModelSpec, model_args: Any) -> None:

@@ -45,6 +45,7 @@ from titan_thd.components.optimizer import (
     clip_grad_norm_,
     default_matrix_params,
 )
+from titan_thd.components.precision import Precision
 from titan_thd.components.run_header import header_lines
 from titan_thd.components.signals import StopSignal
 from titan_thd.components.validation import Validator
@@ -58,7 +59,7 @@ from titan_thd.data.tokenizer import Tokenizer
 from titan_thd.inference.evaluation import TrainingEvaluator
 from titan_thd.inputs import cache_dir, check_inputs, data_layout, env_world_size, hybrid_threshold, preflight
 from titan_thd.models.hf_tokenizer import write_tokenizer
-from titan_thd.models.spec import ModelSpec, as_dtype
+from titan_thd.models.spec import ModelSpec
 from titan_thd.parallel import distributed as dist_utils
 from titan_thd.parallel.context_parallel import resolve_mode
 from titan_thd.parallel.distributed import DistInfo
@@ -101,6 +102,8 @@ class Trainer:
     # ---- training state (checkpointed as "train_state")
     step: int
     tokens_seen: int
+    precision: Precision
+    """Master, compute and reduction dtypes (components/precision.py)."""
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
@@ -116,8 +119,10 @@ class Trainer:
             if cfg.evaluation.enable
             else None
         )
+        self.precision = inputs.precision
 
-        self.dist = dist_utils.init_distributed(cfg.comm)
+        # Mixed precision is FSDP2's casting, on every layout: one process shards over a group of one.
+        self.dist = dist_utils.init_distributed(cfg.comm, single_rank_group=self.precision.mixed)
         if t.deterministic:
             torch.use_deterministic_algorithms(True)
         dims.build_meshes(self.dist.device.type)
@@ -146,7 +151,7 @@ class Trainer:
             logger.warning("model.hf_path: not loaded in a fake-process-group dry run (meta weights)")
         elif cfg.model.hf_path:  # full weights, before sharding; ValueError when the architecture differs
             self.spec.init_from_hf(model, cfg.model.hf_path)
-        model.to(as_dtype(t.dtype))
+        model.to(self.precision.master)  # FSDP casts what it gathers; the master stays in this dtype
         fingerprint = model_fingerprint([model], model=cfg.model.name, flavor=cfg.model.flavor)
         parts = build(
             model,
@@ -158,7 +163,7 @@ class Trainer:
             model_args=self.model_args,
             layers=inputs.stages,
             device=self.dist.device,
-            dtype=as_dtype(t.dtype),
+            precision=self.precision,
             fake=fake,
         )
         self.model, self.runner, self.param_count = parts.module, parts.runner, parts.num_params
@@ -183,7 +188,10 @@ class Trainer:
         self.peak_tflops = 0.0
         if self.dist.is_main:
             self.peak_tflops = peak_tflops_per_rank(
-                cfg.metrics, as_dtype(t.dtype), self.dist.device, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+                cfg.metrics,
+                self.precision.compute,
+                self.dist.device,
+                int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
             )
         dist_utils.barrier()
         self.metrics = MetricsLogger(cfg.metrics, cfg.job.dump_folder, enabled=self.dist.is_main)
@@ -339,6 +347,8 @@ class Trainer:
         """Flush the metrics and restore the signal handlers (the process group stays up: main() ends it)."""
         self.metrics.close()
         self.stop.restore()
+        if self.dist.single_rank_group:  # the group of one this trainer started (mixed precision)
+            dist_utils.destroy()
 
     # ------------------------------------------------------------------ helpers
     def _token_stores(self):
@@ -397,7 +407,7 @@ class Trainer:
             self.spec,
             self.model_args,
             tokens,
-            as_dtype(c.training.dtype),
+            self.precision.compute,  # activations are in the compute dtype
             c.parallelism,
             c.training,
             c.activation_checkpoint,
@@ -405,7 +415,7 @@ class Trainer:
         )
 
     def _log_header(self, stages: list[list[int]] | None) -> None:
-        c, d, dtype = self.cfg, self.parallel_dims, as_dtype(self.cfg.training.dtype)
+        c, d, precision = self.cfg, self.parallel_dims, self.precision
         matrix_params = self.spec.matrix_params or default_matrix_params
         tokens = c.training.tokens_per_microbatch // d.cp
         acts = self._activations(tokens)
@@ -418,14 +428,15 @@ class Trainer:
                 d,
                 c.parallelism.pipeline_parallel_schedule,
                 self.runner.shape,
-                dtype,
+                precision,
                 c.optimizer.name,
                 matrix_params,
                 acts,
+                self.spec.expert_params,
             )
         elif acts is not None:  # one stage: one microbatch in flight at a time
             muon = matrix_params(self.model) if c.optimizer.name == "muon" else ()
-            other = estimate_memory_per_rank(self.model, d, c.optimizer.name, dtype, muon).total_bytes
+            other = estimate_memory_per_rank(self.model, d, c.optimizer.name, precision, muon).total_bytes
             stage_lines = [activations.summary(acts, tokens, other)]
         for line in header_lines(
             c,
@@ -439,7 +450,7 @@ class Trainer:
             tokenizer=self.tokenizer,
             optimizers=self.optimizers.optimizers,
             muon_params=matrix_params(self.model) if c.optimizer.name == "muon" else (),
-            dtype=dtype,
+            precision=precision,
             loader=self.dataloader,
             validator=self.validator,
             stage_lines=stage_lines,

@@ -216,7 +216,7 @@ def params_per_rank(log: str) -> tuple[int, int]:
     """(parameters of the model, parameters of one rank) from the log header."""
     total = int(re.search(r"model llama/debug: ([\d,]+) parameters", log).group(1).replace(",", ""))
     rank = int(
-        re.search(r"([\d,]+) parameters per rank; estimated memory per rank: params", log)
+        re.search(r"([\d,]+) parameters per rank \(master [^)]*\); estimated memory per rank: params", log)
         .group(1)
         .replace(",", "")
     )

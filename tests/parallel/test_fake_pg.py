@@ -126,7 +126,8 @@ def test_meta_build_shard_materialize(fake_world):
         8 * est.params,
     )
     assert str(est) == (
-        "2,097,152 parameters per rank; estimated memory per rank: params 8.00 MiB + grads 8.00 MiB + "
+        "2,097,152 parameters per rank (master 4 + grads 4 + optimizer 8 B per parameter); estimated "
+        "memory per rank: params 8.00 MiB + grads 8.00 MiB + "
         "optimizer 16.00 MiB = 32.00 MiB (activations excluded)"
     )
 

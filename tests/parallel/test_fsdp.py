@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests._dist import spawn
+from titan_thd.components.precision import Precision
 from titan_thd.parallel import distributed
 from titan_thd.parallel.fsdp import apply_fsdp
 from titan_thd.parallel.parallel_dims import ParallelDims
@@ -116,7 +117,8 @@ def _fsdp_body(rank, world_size):
     # bf16 compute with fp32 master weights and fp32 reduction runs on gloo
     torch.manual_seed(SEED)
     mp_model = Net()
-    apply_fsdp(mp_model, dims.get_mesh("fsdp"), blocks=mp_model.blocks, mp_param_dtype=torch.bfloat16)
+    mixed = Precision(torch.float32, torch.bfloat16, torch.float32)
+    apply_fsdp(mp_model, dims.get_mesh("fsdp"), blocks=mp_model.blocks, precision=mixed)
     logits = mp_model(x[half].float())
     mp_loss = F.cross_entropy(logits.float(), y[half], reduction="sum")
     mp_loss.backward()

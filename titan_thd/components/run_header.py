@@ -18,6 +18,7 @@ from torch import nn
 
 from titan_thd.components import hardware
 from titan_thd.components.muon import Muon
+from titan_thd.components.precision import Precision, precision_warnings
 from titan_thd.parallel.activation_checkpoint import describe
 from titan_thd.parallel.fsdp import estimate_memory_per_rank
 from titan_thd.parallel.parallel_dims import ParallelDims
@@ -42,7 +43,7 @@ def header_lines(
     tokenizer: Tokenizer,
     optimizers: Sequence[torch.optim.Optimizer],
     muon_params: Sequence[str],
-    dtype: torch.dtype,
+    precision: Precision,
     loader: THDDataLoader,
     validator: Validator | None,
     stage_lines: Sequence[str],
@@ -56,7 +57,8 @@ def header_lines(
         f"model {c.model.name}/{c.model.flavor}: {num_params:,} parameters, vocab {model_args.vocab_size} "
         f"(tokenizer {tokenizer.vocab_size}), dtype {c.training.dtype}",
         *([note] if (note := getattr(tokenizer, "added_tokens_note", str)()) else []),
-        str(estimate_memory_per_rank(model, d, c.optimizer.name, dtype, muon_params)),
+        precision.describe(c.training.mixed_precision_param),
+        str(estimate_memory_per_rank(model, d, c.optimizer.name, precision, muon_params)),
         describe(ac.mode, ac.regions, ac.layers, ac_regions),
         *stage_lines,
     ]
@@ -67,7 +69,9 @@ def header_lines(
         else f"; Muon Newton-Schulz in {str(muon.ns_dtype).removeprefix('torch.')} "
         f"(optimizer.muon_ns_dtype = {c.optimizer.muon_ns_dtype})"
     )
-    lines.append(f"hardware: {hardware.detect(device).describe()}{ns}")
+    hw = hardware.detect(device)
+    lines.append(f"hardware: {hw.describe()}{ns}")
+    lines += [f"warning: {w}" for w in precision_warnings(precision, hw, fake)]
     ep = f", ep {d.ep} (experts sharded over efsdp {d.efsdp_degree})" if d.ep_enabled else ""
     hsdp = f" (HSDP: {d.dp_replicate} replicas x {d.dp_shard} shards)" if d.hsdp_enabled else ""
     lines.append(

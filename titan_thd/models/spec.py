@@ -67,9 +67,11 @@ class ModelSpec:
     """The flavor of an empty `model.flavor` without a checkpoint to read the architecture from
     ("" = the first of `flavors`)."""
     parallelize: Callable[..., nn.Module] | None = None
-    """(model chunk, parallel_dims, *, parallelism, training, activation_checkpoint) -> model: the
-    model's fixed sequence `apply_tp`, `apply_ep`, `apply_compile`, `apply_ac`, `apply_fsdp` on one
-    pipeline chunk (or the whole model); CP needs no wrapping (the layers read BatchMeta.cp)."""
+    """(model chunk, parallel_dims, *, parallelism, training, activation_checkpoint, precision) ->
+    model: the model's fixed sequence `apply_tp`, `apply_ep`, `apply_compile`, `apply_ac`,
+    `apply_fsdp` on one pipeline chunk (or the whole model); CP needs no wrapping (the layers read
+    BatchMeta.cp). `precision` (components/precision.py) is the run's resolved dtypes: under mixed
+    precision FSDP applies on every layout."""
     ac_regions: Mapping[str, str] = field(default_factory=dict)
     """Region name -> what it recomputes, for activation_checkpoint.mode = selective (the model's
     `apply_ac` wraps them); empty = only mode = full (docs/design.md §5.5)."""
@@ -80,6 +82,9 @@ class ModelSpec:
     """Smallest local shard (T / cp) the model supports, e.g. its CP halo width."""
     tp_divides: Callable[[Any], dict[str, int]] = field(default=lambda args: {})
     """args -> {size name: size} that parallelism.tensor_parallel_degree must divide (heads, groups)."""
+    expert_params: Callable[[nn.Module], list[str]] = field(default=lambda model: [])
+    """Names of the parameters expert parallelism places (each on 1 / ep of the ranks): the memory
+    estimate of a model not yet split (the pipeline stage lines) counts their unsharded copies."""
     matrix_params: Callable[[nn.Module], list[str]] | None = None
     """Names of parameters that Muon updates (the rest go to AdamW); None = every 2-D weight except
     embeddings and the LM head."""

@@ -2,8 +2,10 @@
 
 - `init_distributed(comm)` reads the torchrun environment (WORLD_SIZE, RANK, LOCAL_RANK). A world
   of one process creates no process group at all (instant start-up; every helper below then
-  degrades to a local no-op). Otherwise: gloo on CPU, NCCL on CUDA, timeout from
-  `comm.init_timeout_seconds` so a failing rank cannot hang its peers for the default 30 min.
+  degrades to a local no-op), unless it asks for one (`single_rank_group`: mixed precision is
+  FSDP2's, which needs a device mesh): then a group of one on an in-process store (no port, a
+  few ms). Otherwise: gloo on CPU, NCCL on CUDA, timeout from `comm.init_timeout_seconds` so a
+  failing rank cannot hang its peers for the default 30 min.
 - `comm.mode = "fake"` (or `init_fake(world_size)`): one process plays rank 0 of a simulated
   world on torch's fake backend. Meshes and sharding plans are real; collectives return
   shape-correct garbage (all_reduce leaves the input unchanged, all_gather repeats the local
@@ -38,6 +40,8 @@ class DistInfo:
     local_rank: int
     device: torch.device
     fake: bool = False
+    single_rank_group: bool = False
+    """A world of one that started a process group of one (mixed precision); `close` ends it."""
 
     @property
     def is_main(self) -> bool:
@@ -52,14 +56,13 @@ def _env_int(name: str, default: int) -> int:
         raise ValueError(f"environment variable {name} = {value!r}: expected an integer") from None
 
 
-def select_device(local_rank: int) -> torch.device:
-    """cuda:<local_rank> when CUDA is present (and made current), else the CPU."""
+def device_of(local_rank: int) -> torch.device:
+    """cuda:<local_rank> when CUDA is present, else the CPU (nothing is set up)."""
     if torch.cuda.is_available():
         if local_rank >= torch.cuda.device_count():
             raise ValueError(
                 f"LOCAL_RANK = {local_rank} but only {torch.cuda.device_count()} CUDA devices are visible"
             )
-        torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
 
@@ -75,6 +78,19 @@ def die_with_parent() -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def select_device(local_rank: int) -> torch.device:
+    """`device_of(local_rank)`, made the current CUDA device."""
+    device = device_of(local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(local_rank)
+    return device
+
+
+def env_device() -> torch.device:
+    """The device this process will compute on (LOCAL_RANK of the torchrun environment), before any set-up."""
+    return device_of(_env_int("LOCAL_RANK", 0))
+
+
 def die_with_launcher() -> None:
     """Under torchrun: this rank is SIGKILLed when torchrun dies.
 
@@ -86,8 +102,9 @@ def die_with_launcher() -> None:
         die_with_parent()
 
 
-def init_distributed(comm: Comm) -> DistInfo:
-    """Start the process group described by `comm` and the torchrun environment."""
+def init_distributed(comm: Comm, single_rank_group: bool = False) -> DistInfo:
+    """Start the process group described by `comm` and the torchrun environment; a world of one
+    process starts a group of one only with `single_rank_group` (and when none exists yet)."""
     die_with_launcher()
     if comm.mode == "fake":
         if "NGPU" not in os.environ:
@@ -107,7 +124,16 @@ def init_distributed(comm: Comm) -> DistInfo:
             timeout=timedelta(seconds=comm.init_timeout_seconds),
             device_id=device if device.type == "cuda" else None,
         )
-    return DistInfo(world_size, rank, local_rank, device)
+    own = world_size == 1 and single_rank_group and not dist.is_initialized()
+    if own:  # an in-process store: nothing to rendezvous with, no port to find
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo",
+            store=dist.HashStore(),
+            rank=0,
+            world_size=1,
+            device_id=device if device.type == "cuda" else None,
+        )
+    return DistInfo(world_size, rank, local_rank, device, single_rank_group=own)
 
 
 def init_fake(world_size: int, rank: int = 0) -> DistInfo:

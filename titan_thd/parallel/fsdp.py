@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -27,14 +28,27 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from titan_thd.parallel.parallel_dims import EP_TP_DIMS, ParallelDims
 
+if TYPE_CHECKING:
+    from titan_thd.components.precision import Precision
+
+
+def fsdp_mesh(parallel_dims: ParallelDims, precision: Precision | None) -> DeviceMesh | None:
+    """The mesh FSDP shards over (dp x cp), or None when it would have nothing to do: one rank and
+    no mixed precision (`precision` None: a pure run). Mixed precision is FSDP2's casting, so it shards even over one rank (the
+    all-gather of one rank is a copy, and the same code path as every other layout)."""
+    if parallel_dims.fsdp_enabled or (precision is not None and precision.mixed):
+        return parallel_dims.get_mesh("fsdp")
+    return None
+
 
 def apply_fsdp(
     model: nn.Module,
     fsdp_mesh: DeviceMesh,
     blocks: Iterable[nn.Module],
-    mp_param_dtype: torch.dtype | None = None,
+    precision: Precision | None = None,
     reshard_after_forward: bool = True,
     other_units: Iterable[tuple[nn.Module, DeviceMesh, int | Callable[[nn.Parameter], int]]] = (),
+    master_dtype_units: Iterable[nn.Module] = (),
 ) -> nn.Module:
     """Shard `blocks` (each its own all-gather unit) and then the root over `fsdp_mesh`.
 
@@ -42,26 +56,37 @@ def apply_fsdp(
     parameter dimension, or `dim(param)` per parameter (expert-parallel routed experts over `efsdp`
     on dim 1, their dim 0 being ep's), so that their blocks leave them out.
 
-    `mp_param_dtype` (e.g. bfloat16) is the dtype parameters are gathered in for compute; the
-    sharded master weights and the gradient reduction stay in float32.
+    `precision` (components/precision.py): under mixed precision every unit gathers its
+    parameters in the compute dtype and reduce-scatters the gradients in the reduction dtype into
+    the sharded master-dtype gradients; `master_dtype_units` (small modules inside the blocks
+    whose parameters the model's reference keeps in float32, e.g. dsv4's mHC) are units of their
+    own that compute in the master dtype (FSDP2 casts per unit, one dtype each). None, or a pure
+    run: no casting, the reduction in the parameters' dtype.
     """
     # 2-D: HSDP (replicate over dim 0, shard over dim 1), the sums stay sums across replicas too.
     assert fsdp_mesh is not None and fsdp_mesh.ndim in (1, 2), fsdp_mesh
-    if mp_param_dtype is None:
-        mp_policy = MixedPrecisionPolicy()
+    policy = as_master = MixedPrecisionPolicy()
+    if precision is not None and precision.mixed:
+        policy = MixedPrecisionPolicy(param_dtype=precision.compute, reduce_dtype=precision.reduce)
     else:
-        mp_policy = MixedPrecisionPolicy(param_dtype=mp_param_dtype, reduce_dtype=torch.float32)
-    for unit, mesh, dim in other_units:
+        master_dtype_units = ()
+
+    def shard(unit: nn.Module, mesh: DeviceMesh, mp: MixedPrecisionPolicy, placement=None) -> None:
         fully_shard(
             unit,
             mesh=mesh,
-            mp_policy=mp_policy,
+            mp_policy=mp,
             reshard_after_forward=reshard_after_forward,
-            shard_placement_fn=lambda p, dim=dim: Shard(dim(p) if callable(dim) else dim),
+            shard_placement_fn=placement,
         )
+
+    for unit, mesh, dim in other_units:
+        shard(unit, mesh, policy, lambda p, dim=dim: Shard(dim(p) if callable(dim) else dim))
+    for unit in master_dtype_units:
+        shard(unit, fsdp_mesh, as_master)
     for block in blocks:
-        fully_shard(block, mesh=fsdp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=fsdp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
+        shard(block, fsdp_mesh, policy)
+    shard(model, fsdp_mesh, policy)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
@@ -103,39 +128,88 @@ def materialize_sharded(model: nn.Module, device: str | torch.device = "cpu", st
 def largest_unsharded_unit_bytes(model: nn.Module) -> int:
     """Bytes of the largest FSDP unit's full (unsharded) parameters: what one all-gather of a
     forward or backward materialises on a rank, whatever the fsdp degree (its tp share under TP,
-    its own experts under EP)."""
+    its own experts under EP), in the dtype the unit gathers in (its mixed-precision compute dtype)."""
     units = [m for m in model.modules() if isinstance(m, FSDPModule)] or [model]
     nested = {u: [v for v in u.modules() if v is not u and isinstance(v, FSDPModule)] for u in units}
     largest = 0
     for unit in units:
         inner = {id(p) for v in nested[unit] for p in v.parameters()}
         own = [p for p in unit.parameters() if id(p) not in inner]
+        gathered = unit._get_fsdp_state()._mp_policy.param_dtype if isinstance(unit, FSDPModule) else None
         # A DTensor's global shape, less its tp / ep split (an FSDP all-gather stops at them).
-        largest = max(largest, sum(math.prod(_model_parallel_shape(p)) * p.element_size() for p in own))
+        largest = max(
+            largest,
+            sum(math.prod(_model_parallel_shape(p)) * (gathered or p.dtype).itemsize for p in own),
+        )
     return largest
 
 
 # ============================================================================ memory estimate
 @dataclass(frozen=True)
 class MemoryEstimate:
+    """Parameter memory of one rank: the sharded master state, and under pipeline parallelism what
+    FSDP keeps unsharded for the whole stage between its microbatches (docs/design.md §5.6)."""
+
     params: int
     """Parameters held by this rank (its FSDP shards)."""
     param_bytes: int
+    """Sharded master weights."""
     grad_bytes: int
+    """Sharded gradients (master dtype: FSDP reduce-scatters into them)."""
     optimizer_bytes: int
+    stage_params: int = 0
+    """Elements FSDP keeps unsharded on this rank between a pipeline stage's microbatches (its
+    stage's parameters, this rank's tp share and experts): 0 without pipeline parallelism."""
+    stage_param_bytes: int = 0
+    """Their gathered copy, in the compute dtype (reshard_after_forward is off under PP)."""
+    stage_grad_bytes: int = 0
+    """Their gradients accumulated unsharded until the step's last backward, in the reduction dtype."""
 
     @property
     def total_bytes(self) -> int:
-        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
+        return (
+            self.param_bytes
+            + self.grad_bytes
+            + self.optimizer_bytes
+            + self.stage_param_bytes
+            + self.stage_grad_bytes
+        )
+
+    def per_parameter(self) -> str:
+        """Bytes per parameter of the scheme, e.g. `master 4 + grads 4 + optimizer 8 B per parameter;
+        per stage parameter between microbatches: compute copy 2 + grads 4 B`."""
+
+        def per(n: int, count: int) -> str:
+            return f"{n / max(1, count):.3g}"
+
+        out = (
+            f"master {per(self.param_bytes, self.params)} + grads {per(self.grad_bytes, self.params)} + "
+            f"optimizer {per(self.optimizer_bytes, self.params)} B per parameter"
+        )
+        if self.stage_params:
+            out += (
+                f"; per stage parameter between microbatches: compute copy "
+                f"{per(self.stage_param_bytes, self.stage_params)} + grads "
+                f"{per(self.stage_grad_bytes, self.stage_params)} B ({self.stage_params:,} unsharded)"
+            )
+        return out
 
     def __str__(self) -> str:
         # One unit for the whole line: GiB for real models, MiB for the small ones of tests.
         unit, scale = ("GiB", 1024**3) if self.total_bytes >= 1024**3 else ("MiB", 1024**2)
+
+        def size(n: int) -> str:
+            return f"{n / scale:.2f} {unit}"
+
+        stage = (
+            f" + stage copy {size(self.stage_param_bytes)} + stage grads {size(self.stage_grad_bytes)}"
+            if self.stage_params
+            else ""
+        )
         return (
-            f"{self.params:,} parameters per rank; estimated memory per rank: "
-            f"params {self.param_bytes / scale:.2f} {unit} + grads {self.grad_bytes / scale:.2f} {unit} + "
-            f"optimizer {self.optimizer_bytes / scale:.2f} {unit} = {self.total_bytes / scale:.2f} {unit} "
-            "(activations excluded)"
+            f"{self.params:,} parameters per rank ({self.per_parameter()}); estimated memory per rank: "
+            f"params {size(self.param_bytes)} + grads {size(self.grad_bytes)} + optimizer "
+            f"{size(self.optimizer_bytes)}{stage} = {size(self.total_bytes)} (activations excluded)"
         )
 
 
@@ -174,30 +248,62 @@ def _sharded_numel(p: DTensor) -> int:
     return math.prod(shape)
 
 
+def _has_fsdp_dim(p: DTensor) -> bool:
+    """Whether FSDP shards `p` on some mesh dimension (one that is not tp / ep's)."""
+    names = p.device_mesh.mesh_dim_names or ()
+    return any(i >= len(names) or names[i] not in _MODEL_PARALLEL_DIMS for i in range(p.device_mesh.ndim))
+
+
 def estimate_memory_per_rank(
     model: nn.Module,
     parallel_dims: ParallelDims,
     optimizer: str = "adamw",
-    dtype: torch.dtype = torch.float32,
+    precision: Precision | torch.dtype = torch.float32,
     muon_params: Collection[str] = (),
+    expert_params: Collection[str] = (),
 ) -> MemoryEstimate:
     """Parameter, gradient and optimizer-state bytes on the most loaded rank (fsdp rank 0).
 
-    Works on a full, a sharded (DTensor shapes are global) or a meta model. Parameters and
-    gradients are stored in `dtype`; AdamW keeps two states per parameter, Muon one for the
-    parameters named in `muon_params` (AdamW for the rest). Under pipeline parallelism pass
-    one stage's module; a tensor-parallel shard counts its share of the tp-split dimension;
-    activations are excluded.
+    Works on a full, a sharded (DTensor shapes are global) or a meta model. Master weights,
+    gradients and optimizer state are in the master dtype (`precision`, or one dtype for all);
+    AdamW keeps two states per parameter, Muon one for the parameters named in `muon_params`
+    (AdamW for the rest). Under pipeline parallelism pass one stage's module: FSDP then also
+    keeps the stage's parameters gathered (compute dtype) and their gradients accumulated
+    unsharded (reduction dtype) between microbatches. On a model not yet expert-parallel, the
+    `expert_params` (routed experts) are each held by 1 / ep of the ranks. A tensor-parallel shard
+    counts its share of the tp-split dimension; activations are excluded.
     """
     if optimizer not in ("adamw", "muon"):
         raise ValueError(f"estimate_memory_per_rank: optimizer {optimizer!r}, expected adamw or muon")
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    shards = parallel_dims.fsdp_degree if parallel_dims.fsdp_enabled else 1
-    params = states = 0
+    if isinstance(precision, torch.dtype):  # one dtype for everything: a pure run
+        master = compute = reduce = precision
+    else:
+        master, compute, reduce = precision.master, precision.compute, precision.reduce
+    d = parallel_dims
+    shards = d.fsdp_degree if d.fsdp_enabled else 1
+    params = states = stage = 0
     for name, p in model.named_parameters():
-        # A sharded parameter's own placements (expert-parallel experts: ep x efsdp); an unsharded
-        # one as FSDP will cut it, on dim 0 over fsdp.
-        n = _sharded_numel(p) if isinstance(p, DTensor) else local_numel(p.shape, shards)
+        if isinstance(p, DTensor):
+            # A sharded parameter's own placements (expert-parallel experts: ep x efsdp); what FSDP
+            # gathers for a pipeline stage is its tp / ep share.
+            n = _sharded_numel(p)
+            unsharded = math.prod(_model_parallel_shape(p)) if _has_fsdp_dim(p) else 0
+        else:
+            # An unsharded one as FSDP will cut it, on dim 0 over fsdp; ep x efsdp = dp x cp: an
+            # expert's shard is as large as a dense one, its full copy 1 / ep.
+            expert = d.ep_enabled and name in expert_params
+            n = local_numel(p.shape, shards)
+            sharded_by_fsdp = d.fsdp_enabled or compute != master or expert
+            unsharded = p.numel() // (d.ep if expert else 1) if sharded_by_fsdp else 0
         params += n
         states += n * (1 if optimizer == "muon" and name in muon_params else 2)
-    return MemoryEstimate(params, params * itemsize, params * itemsize, states * itemsize)
+        stage += unsharded if d.pp_enabled else 0
+    return MemoryEstimate(
+        params,
+        params * master.itemsize,
+        params * master.itemsize,
+        states * master.itemsize,
+        stage,
+        stage * compute.itemsize,
+        stage * reduce.itemsize,
+    )

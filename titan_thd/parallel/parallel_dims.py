@@ -33,8 +33,10 @@ because they answer different questions (the fsdp mesh is 2-D under HSDP, the lo
 Under pipeline parallelism every stage is a dp x cp x tp grid of its own: `loss`, `fsdp`, `cp`
 and `batch` are the meshes of this rank's stage (pp is the outermost axis).
 
-A world of one process builds no mesh and needs no process group: `get_optional_mesh` returns
+A world of one process without a process group builds no mesh: `get_optional_mesh` returns
 None and `mesh_rank` / `mesh_size` answer 0 / 1, so single-process training starts instantly.
+Mixed precision (FSDP2's casting) needs a mesh even there: the trainer then starts a process group
+of one and every named mesh exists, each of one rank (`get_mesh`; `get_optional_mesh` stays None).
 
     dims = ParallelDims.from_config(cfg.parallelism, world_size)   # validates, no process group
     dims.build_meshes("cpu")
@@ -210,8 +212,9 @@ class ParallelDims:
 
     # ------------------------------------------------------------------ meshes
     def build_meshes(self, device_type: str) -> None:
-        """Build the world mesh and the named meshes (a no-op for a world of one process)."""
-        if self.world_size == 1:
+        """Build the world mesh and the named meshes (a no-op for a world of one process without a
+        process group)."""
+        if self.world_size == 1 and not dist.is_initialized():
             return
         if not dist.is_initialized() or dist.get_world_size() != self.world_size:
             got = dist.get_world_size() if dist.is_initialized() else "no process group"

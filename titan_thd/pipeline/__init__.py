@@ -9,6 +9,8 @@ neighbouring stages is one fixed-shape tensor per microbatch and direction:
     forward   stage s -> s+1   the residual stream   llama [T_local, d], dsv4 mHC [T_local, hc, d]
     backward  stage s+1 -> s   its gradient          (same shape and dtype)
 
+both in the compute dtype (training.mixed_precision_param: bf16 under mixed precision).
+
     layers = validate_pipeline(parallelism, n_layers, spec.pipeline, name)  # before any group
     parts = build(model, spec, dims, ..., layers=layers)   # runner.py: split, parallelize, schedule
     ce_sum, aux_sums = parts.runner.step(inputs, num_trained)               # sums over all stages

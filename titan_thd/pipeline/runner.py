@@ -32,6 +32,7 @@ from titan_thd.pipeline.schedule import PipelineSchedule, StageInput, tied_group
 from titan_thd.pipeline.split import chunk_views, split_model
 
 if TYPE_CHECKING:
+    from titan_thd.components.precision import Precision
     from titan_thd.config import ActivationCheckpoint, Parallelism, Training
     from titan_thd.data.packed_batch import PackedBatch
 
@@ -116,12 +117,13 @@ def build(
     model_args,
     layers: list[list[int]] | None,
     device: torch.device,
-    dtype: torch.dtype,
+    precision: Precision,
     fake: bool = False,
 ) -> ModelParts:
     """This rank's part of the full `model` under the layout (`layers`: each pipeline stage's layer
-    ids, None without pipeline parallelism), on `device`, with its runner. Every rank must call it
-    (process groups of tied weights are created collectively)."""
+    ids, None without pipeline parallelism), on `device`, with its runner; the stages exchange
+    activations and their gradients in the compute dtype. Every rank must call it (process groups
+    of tied weights are created collectively)."""
     chunks, tied = [model], ()
     if layers is not None:  # keep this rank's stages only (before sharding them over dp x cp)
         assert spec.pipeline is not None, spec.name  # validate_pipeline refused it at start-up
@@ -138,6 +140,7 @@ def build(
                 parallelism=parallelism,
                 training=training,
                 activation_checkpoint=activation_checkpoint,
+                precision=precision,
             )
             for c in chunks
         ]
@@ -156,7 +159,7 @@ def build(
         parallelism.pipeline_parallel_schedule,
         # Under tensor parallelism the boundary carries this tp rank's sequence-parallel rows.
         spec.pipeline.boundary_shape(model_args, training.tokens_per_microbatch // dims.cp // dims.tp),
-        dtype,
+        precision.compute,
         device,
         tied=[q for n in tied for q in getattr(model, n).parameters()] if on_end else [],
         tied_group=tied_group if on_end else None,

@@ -222,7 +222,13 @@ class PipelineSchedule:
         if last:
             sums["loss"] = sums.get("loss", 0) + ce.detach().double()
             return x_in, (ce + aux) / num_trained, None
-        assert out.logits.shape == self.shape, (out.logits.shape, self.shape)
+        # The compute dtype (bf16 under mixed precision): what the receiving stage allocated.
+        assert out.logits.shape == self.shape and out.logits.dtype == self.dtype, (
+            out.logits.shape,
+            out.logits.dtype,
+            self.shape,
+            self.dtype,
+        )
         return x_in, out.logits, aux / num_trained
 
     def _backward(self, chunk: int, saved: tuple, grad_y: torch.Tensor | None) -> torch.Tensor | None:

@@ -24,10 +24,10 @@ import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import torch
 from torch import nn
 
 if TYPE_CHECKING:
+    from titan_thd.components.precision import Precision
     from titan_thd.config import Parallelism
     from titan_thd.models.spec import PipelineSpec
     from titan_thd.pipeline.activations import ActivationMemory
@@ -216,23 +216,25 @@ def stage_summary(
     parallel_dims: Any,
     schedule: str,
     shape: tuple[int, ...],
-    dtype: torch.dtype,
+    precision: Precision,
     optimizer: str = "adamw",
     matrix_params: Callable[[nn.Module], list[str]] | None = None,
     saved: ActivationMemory | None = None,
+    expert_params: Callable[[nn.Module], list[str]] = lambda model: [],
 ) -> list[str]:
     """One line per pipeline rank for the log header: its stages' layers, parameters, estimated
-    memory per rank, the most microbatches whose boundary input it keeps alive at once (from the
-    schedule's timetable) and, given the measured activation bytes per layer (`saved`), the
-    activation memory of that many in-flight microbatches plus the largest recomputation, and the
-    total with parameters, gradients and optimizer state. Built on the meta device: no memory, any
-    size."""
+    memory per rank (the master state and what FSDP keeps unsharded for the stage between
+    microbatches, `precision`'s dtypes), the most microbatches whose boundary input it keeps alive
+    at once (from the schedule's timetable, in the compute dtype) and, given the measured activation
+    bytes per layer (`saved`), the activation memory of that many in-flight microbatches plus the
+    largest recomputation, and the total with parameters, gradients and optimizer state. Built on
+    the meta device: no memory, any size."""
     from titan_thd.parallel.fsdp import estimate_memory_per_rank  # fsdp imports parallel_dims
     from titan_thd.pipeline.schedule import max_in_flight
 
     pp = parallel_dims.pp
     virtual = len(layers) // pp
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = precision.compute.itemsize
     boundary = math.prod(shape) * itemsize / 2**20
     full = build_meta()
     tied = pipeline.tied(full)
@@ -243,7 +245,7 @@ def stage_summary(
         part.layers = nn.ModuleDict(full.layers)
         split_model(pipeline, part, layers, rank, pp, tied)
         muon = matrix_params(part) if optimizer == "muon" and matrix_params else ()
-        mem = estimate_memory_per_rank(part, parallel_dims, optimizer, dtype, muon)
+        mem = estimate_memory_per_rank(part, parallel_dims, optimizer, precision, muon, expert_params(part))
         # The parts are unsharded meta models: FSDP's split is counted, tensor parallelism's not.
         tp_note = f" (before the tp {parallel_dims.tp} split)" if getattr(parallel_dims, "tp", 1) > 1 else ""
         ids = ", ".join(f"{layers[s][0]}-{layers[s][-1]}" for s in range(rank, len(layers), pp))

@@ -16,7 +16,13 @@ from titan_thd.models.dsv4.args import CP_MODE, DSv4Args, flavors
 from titan_thd.models.dsv4.flops import flops_per_step
 from titan_thd.models.dsv4.hf_interop import check_hf, export_hf, hf_args, load_hf, load_hf_into
 from titan_thd.models.dsv4.model import DSv4Model, build_dsv4, per_document_logits
-from titan_thd.models.dsv4.parallelize import AC_REGIONS, apply_compile, parallelize_dsv4, tp_divides
+from titan_thd.models.dsv4.parallelize import (
+    AC_REGIONS,
+    apply_compile,
+    parallelize_dsv4,
+    routed_expert_params,
+    tp_divides,
+)
 from titan_thd.models.spec import ModelSpec, PipelineSpec
 
 
@@ -84,6 +90,7 @@ spec = ModelSpec(
     tp_divides=tp_divides,
     min_tokens_per_cp_rank=lambda args: args.halo,
     matrix_params=matrix_params,
+    expert_params=routed_expert_params,
     init_from_hf=load_hf_into,
     check_hf=check_hf,
     hf_args=hf_args,

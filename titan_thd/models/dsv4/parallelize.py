@@ -22,6 +22,7 @@ the LM head are vocabulary-parallel.
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING
 
 from torch import nn
@@ -36,7 +37,7 @@ from torch.distributed.tensor.parallel import (
 from titan_thd.models.compile import compiled
 from titan_thd.models.dsv4.attention import Attention
 from titan_thd.models.dsv4.block import Block
-from titan_thd.models.dsv4.mhc import hc_post
+from titan_thd.models.dsv4.mhc import HyperConnection, HyperHead, hc_post
 from titan_thd.models.dsv4.model import DSv4Model
 from titan_thd.models.dsv4.moe import Expert, Experts, MoE, swiglu
 from titan_thd.models.dsv4.norm import RMSNorm, rms_norm_formula, weighted_rms_norm_formula
@@ -54,6 +55,7 @@ from titan_thd.parallel.tensor_parallel import (
 )
 
 if TYPE_CHECKING:
+    from titan_thd.components.precision import Precision
     from titan_thd.config import ActivationCheckpoint, Parallelism, Training
 
 
@@ -64,6 +66,7 @@ def parallelize_dsv4(
     parallelism: Parallelism,
     training: Training,
     activation_checkpoint: ActivationCheckpoint,
+    precision: Precision | None = None,
 ) -> DSv4Model:
     """The model (or one pipeline chunk of it) under the layout of `parallel_dims`."""
     apply_tp(model, parallel_dims)
@@ -72,7 +75,7 @@ def parallelize_dsv4(
         apply_compile(model)
     # After the compile: it swaps in the compiled forms of the functions the regions wrap.
     apply_ac(model, activation_checkpoint)
-    apply_fsdp(model, parallel_dims, expert_units)
+    apply_fsdp(model, parallel_dims, precision, expert_units)
     return model
 
 
@@ -225,22 +228,43 @@ def apply_ep(model: DSv4Model, parallel_dims: ParallelDims) -> list[tuple[nn.Mod
     return units
 
 
+def routed_expert_params(model: nn.Module) -> list[str]:
+    """ModelSpec.expert_params: the parameters `apply_ep` splits over the ep ranks."""
+    return [
+        f"{name}.experts.{p}"
+        for name, m in model.named_modules()
+        if isinstance(m, MoE)
+        for p, _ in m.experts.named_parameters()
+    ]
+
+
 def apply_fsdp(
-    model: DSv4Model, parallel_dims: ParallelDims, expert_units: list[tuple[nn.Module, object, int]] = ()
+    model: DSv4Model,
+    parallel_dims: ParallelDims,
+    precision: Precision | None = None,
+    expert_units: list[tuple[nn.Module, object, int]] = (),
 ) -> None:
-    """FSDP per block (MTP blocks included), then the root, over the fsdp mesh (dp x cp)."""
-    fsdp_mesh = parallel_dims.get_optional_mesh("fsdp")
+    """FSDP per block (MTP blocks included), then the root, over the fsdp mesh (dp x cp; one rank
+    under mixed precision, whose casting FSDP2 does). Under mixed precision the mHC modules are
+    units of their own that compute in the master dtype: the reference keeps their parameters in
+    float32 and the Sinkhorn's logits come from them (docs/design.md §5.6)."""
+    from titan_thd.parallel import fsdp  # lazily: pulls in FSDP2 only where it shards
+
+    fsdp_mesh = fsdp.fsdp_mesh(parallel_dims, precision)
     if fsdp_mesh is None:
         return
-    from titan_thd.parallel import fsdp  # lazily: pulls in FSDP2 only for multi-process runs
-
     blocks: list[nn.Module] = list(model.layers.values()) + list(model.mtp or ())
+    # The mHC collapse returns a view (bmm(...)[:, 0]); FSDP2 warns that an in-place op on it would
+    # skip its hook. Nothing modifies it in place (the norms and hc_post are out of place).
+    warnings.filterwarnings("ignore", r"FSDP2-wrapped module \(FSDPHyper(Connection|Head)\) returned a view")
     fsdp.apply_fsdp(
         model,
         fsdp_mesh,
         blocks,
+        precision=precision,
         reshard_after_forward=not parallel_dims.pp_enabled,
         other_units=list(expert_units),
+        master_dtype_units=[m for m in model.modules() if isinstance(m, (HyperConnection, HyperHead))],
     )
 
 

@@ -28,6 +28,7 @@ from titan_thd.parallel.recompute import checkpoint_module
 from titan_thd.parallel.tensor_parallel import present
 
 if TYPE_CHECKING:
+    from titan_thd.components.precision import Precision
     from titan_thd.config import ActivationCheckpoint, Parallelism, Training
 
 
@@ -38,13 +39,14 @@ def parallelize_llama(
     parallelism: Parallelism,
     training: Training,
     activation_checkpoint: ActivationCheckpoint,
+    precision: Precision | None = None,
 ) -> Llama:
     """The model (or one pipeline chunk of it) under the layout of `parallel_dims`."""
     apply_tp(model, parallel_dims)
     if training.compile:
         apply_compile(model)
     apply_ac(model, activation_checkpoint)
-    apply_fsdp(model, parallel_dims)
+    apply_fsdp(model, parallel_dims, precision)
     return model
 
 
@@ -127,18 +129,20 @@ def apply_tp(model: Llama, parallel_dims: ParallelDims) -> None:
     parallelize_module(model, tp_mesh, present(model, tp_plan(model)))
 
 
-def apply_fsdp(model: Llama, parallel_dims: ParallelDims) -> None:
+def apply_fsdp(model: Llama, parallel_dims: ParallelDims, precision: Precision | None = None) -> None:
     """Shard every block, then the root (embedding, final norm and LM head), over the fsdp mesh
-    (dp x cp). TP-sharded parameters become 2-D DTensors on (fsdp, tp): FSDP2 shards their local
-    TP shard once more on dim 0."""
-    fsdp_mesh = parallel_dims.get_optional_mesh("fsdp")
+    (dp x cp; one rank under mixed precision, whose casting FSDP2 does). TP-sharded parameters
+    become 2-D DTensors on (fsdp, tp): FSDP2 shards their local TP shard once more on dim 0."""
+    from titan_thd.parallel import fsdp  # lazily: pulls in FSDP2 only where it shards
+
+    fsdp_mesh = fsdp.fsdp_mesh(parallel_dims, precision)
     if fsdp_mesh is None:
         return
-    from titan_thd.parallel import fsdp  # lazily: pulls in FSDP2 only for multi-process runs
-
     blocks: list[nn.Module] = list(model.layers.values())
     # Under pipelining every microbatch would all-gather again after a reshard.
-    fsdp.apply_fsdp(model, fsdp_mesh, blocks, reshard_after_forward=not parallel_dims.pp_enabled)
+    fsdp.apply_fsdp(
+        model, fsdp_mesh, blocks, precision=precision, reshard_after_forward=not parallel_dims.pp_enabled
+    )
 
 
 def apply_compile(model: nn.Module) -> None:
