@@ -38,6 +38,7 @@ from titan_thd.components.optimizer import (
     default_matrix_params,
 )
 from titan_thd.components.run_header import header_lines
+from titan_thd.components.run_settings import run_layout, run_settings
 from titan_thd.components.signals import StopSignal
 from titan_thd.components.validation import Validator
 from titan_thd.config import Config, help_text, load_config, to_toml
@@ -48,7 +49,15 @@ from titan_thd.data.packed_batch import PackedBatch
 from titan_thd.data.stores import build_stores
 from titan_thd.data.tokenizer import Tokenizer
 from titan_thd.inference.evaluation import TrainingEvaluator
-from titan_thd.inputs import cache_dir, check_inputs, data_layout, env_world_size, hybrid_threshold, preflight
+from titan_thd.inputs import (
+    cache_dir,
+    check_inputs,
+    check_outputs,
+    data_layout,
+    env_world_size,
+    hybrid_threshold,
+    preflight,
+)
 from titan_thd.models.spec import ModelSpec, as_dtype
 from titan_thd.parallel import distributed as dist_utils
 from titan_thd.parallel.context_parallel import resolve_mode
@@ -92,6 +101,10 @@ class Trainer:
     # ---- training state (checkpointed as "train_state")
     step: int
     tokens_seen: int
+    # ---- this invocation (the summary line)
+    first_step: int
+    train_seconds: float
+    last_loss: float | None
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
@@ -102,6 +115,7 @@ class Trainer:
         inputs = check_inputs(cfg, env_world_size("NGPU" if fake else "WORLD_SIZE"))
         self.spec, self.tokenizer, self.model_args = inputs.spec, inputs.tokenizer, inputs.model_args
         self.parallel_dims = dims = inputs.dims
+        check_outputs(cfg)  # a new run does not replace another run's metrics
         self.evaluator = (  # answer accuracy on held-out chat problems (titan_thd/inference/evaluation.py)
             TrainingEvaluator(cfg.evaluation, t.steps, self.tokenizer, t.tokens_per_microbatch)
             if cfg.evaluation.enable
@@ -158,6 +172,7 @@ class Trainer:
         self.lr_schedulers = LRSchedulersContainer(self.optimizers, cfg.lr_scheduler, t.steps)
 
         self.step, self.tokens_seen = 0, 0
+        self.first_step, self.train_seconds, self.last_loss = 0, 0.0, None  # this invocation's, for summary()
         self.checkpointer = CheckpointManager(
             cfg.checkpoint,
             cfg.job.dump_folder,
@@ -166,6 +181,8 @@ class Trainer:
             lr_schedulers=self.lr_schedulers,
             states={"train_state": self, "dataloader": self.dataloader},
             fingerprint=fingerprint,
+            settings=run_settings(cfg),  # a resume with other settings is refused (run_settings.py)
+            layout=run_layout(dims, t.steps),
         )
         self.stop = StopSignal(announce=self.dist.is_main)  # SIGTERM, Ctrl-C: installed by train()
         self.stopped = False  # whether a stop signal (to any rank) ended train() early
@@ -176,7 +193,9 @@ class Trainer:
                 cfg.metrics, as_dtype(t.dtype), self.dist.device, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
             )
         dist_utils.barrier()
-        self.metrics = MetricsLogger(cfg.metrics, cfg.job.dump_folder, enabled=self.dist.is_main)
+        self.metrics = MetricsLogger(
+            cfg.metrics, cfg.job.dump_folder, enabled=self.dist.is_main, settings=run_settings(cfg)
+        )
         self._recent_step_times: collections.deque[float] = collections.deque(maxlen=10)
         self.timer = StepTimer(self.dist.device)
         if self.dist.is_main:
@@ -298,6 +317,7 @@ class Trainer:
             return
         self.stop.install()
         self.checkpointer.load()  # restores self.step / tokens_seen / the data position
+        self.first_step, self.last_loss = self.step, None  # for the summary line
         start = time.perf_counter()
         while self.step < self.cfg.training.steps:
             t0 = time.perf_counter()
@@ -307,6 +327,7 @@ class Trainer:
             result = self.train_step(step_batch)
             self.tokens_seen += step_batch.real_tokens
             now = time.perf_counter()
+            self.train_seconds, self.last_loss = now - start, result["loss"]
             result |= self.validate()
             result |= self.evaluate()
             self.log(step_batch, result, now - t0, now - start)
@@ -321,6 +342,25 @@ class Trainer:
         """Flush the metrics and restore the signal handlers (the process group stays up: main() ends it)."""
         self.metrics.close()
         self.stop.restore()
+
+    def summary(self, argv: list[str]) -> None:
+        """The end of a run: the stop line of a stopped run, then what the run did and where it is."""
+        ckpt = self.checkpointer
+        steps = ckpt.complete_steps() if ckpt.enabled else []
+        saved = ckpt.step_dir(steps[-1]) if steps else None
+        if self.stopped:
+            logger.info("%s", exits.stopped_line(self.stop.received, self.step, saved, argv, self.cfg))
+        line = exits.summary_line(
+            self.cfg,
+            argv,
+            first_step=self.first_step,
+            step=self.step,
+            tokens=self.tokens_seen,
+            seconds=self.train_seconds,
+            loss=self.last_loss,
+            checkpoint=saved,
+        )
+        logger.info("%s", line)
 
     # ------------------------------------------------------------------ helpers
     def _token_stores(self):
@@ -452,10 +492,8 @@ def main(argv: list[str] | None = None) -> int:
         # The ranks leave together: a rank's exit closes its connections, and gloo can fail an
         # operation that a slower peer still has to post with it.
         dist_utils.barrier()
-        if trainer.stopped and trainer.dist.is_main:
-            ckpt = trainer.checkpointer
-            saved = ckpt.step_dir(trainer.step) if ckpt.enabled else None
-            logger.info("%s", exits.stopped_line(trainer.stop.received, trainer.step, saved, argv, cfg))
+        if trainer.dist.is_main:
+            trainer.summary(argv)
     except KeyboardInterrupt:  # Ctrl-C before the training loop, whose handler stops after a step
         return exits.report("stopped by Ctrl-C before the first step: nothing to save", exits.INTERRUPTED)
     except Exception as e:
