@@ -149,9 +149,11 @@ def summary_line(
     seconds: float,
     loss: float | None,
     checkpoint: Path | None,
+    stopped: bool,
 ) -> str:
-    """The last line of every run: what it did and where its outputs are (`first_step`: the step it
-    started after, the resumed checkpoint's; `checkpoint`: the newest one, None when none is saved)."""
+    """What a run did and where its outputs are: the last line of a finished run; a stopped run's
+    `stopped_line` follows it (it names the checkpoint and the resume command). `first_step`: the
+    step the run started after (the resumed checkpoint's); `checkpoint`: the newest one, or None."""
     minutes, secs = divmod(round(seconds), 60)
     did = (
         f"steps {first_step + 1}-{step} of {cfg.training.steps}"
@@ -161,14 +163,16 @@ def summary_line(
     final = f", final loss {loss:.4f}" if loss is not None else ""
     dump = Path(cfg.job.dump_folder)
     tb = f", TensorBoard {dump / 'tb'}" if cfg.metrics.enable_tensorboard else ""
-    if checkpoint is None:
-        ckpt = "no checkpoint (--checkpoint.enable true saves them and resumes)"
+    if stopped:
+        ckpt = ""
+    elif checkpoint is None:
+        ckpt = "; no checkpoint (--checkpoint.enable true saves them and resumes)"
     else:
         more = " (add --training.steps N to train further)" if step >= cfg.training.steps else ""
-        ckpt = f"checkpoint {checkpoint}; resume with: {resume_command(argv, cfg)}{more}"
+        ckpt = f"; checkpoint {checkpoint}; resume with: {resume_command(argv, cfg)}{more}"
     return (
-        f"summary: {did}, {tokens:,} tokens in all, {minutes}m{secs:02d}s{final}; metrics {dump / 'metrics.jsonl'}"
-        f"{tb}; {ckpt}"
+        f"summary: {did}, {tokens:,} tokens in all, {minutes}m{secs:02d}s{final}; "
+        f"metrics {dump / 'metrics.jsonl'}{tb}{ckpt}"
     )
 
 

@@ -344,12 +344,10 @@ class Trainer:
         self.stop.restore()
 
     def summary(self, argv: list[str]) -> None:
-        """The end of a run: the stop line of a stopped run, then what the run did and where it is."""
+        """The end of a run: what it did and where it is; a stopped run's stop line after it."""
         ckpt = self.checkpointer
         steps = ckpt.complete_steps() if ckpt.enabled else []
         saved = ckpt.step_dir(steps[-1]) if steps else None
-        if self.stopped:
-            logger.info("%s", exits.stopped_line(self.stop.received, self.step, saved, argv, self.cfg))
         line = exits.summary_line(
             self.cfg,
             argv,
@@ -359,8 +357,11 @@ class Trainer:
             seconds=self.train_seconds,
             loss=self.last_loss,
             checkpoint=saved,
+            stopped=self.stopped,
         )
         logger.info("%s", line)
+        if self.stopped:
+            logger.info("%s", exits.stopped_line(self.stop.received, self.step, saved, argv, self.cfg))
 
     # ------------------------------------------------------------------ helpers
     def _token_stores(self):

@@ -90,9 +90,12 @@ class OptimizersContainer:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """The checkpoint's state (moments, step counts); the hyperparameters stay this run's (its
         config: a resume may change them with checkpoint.allow_changes, components/run_settings.py),
-        where loading alone would restore the saved ones (weight decay, betas, ...)."""
+        where loading alone would restore the saved ones (weight decay, betas, ...). The learning rate
+        is the schedule's: the LR scheduler's state sets it (lr_scheduler.py)."""
+        schedule = ("params", "lr", "initial_lr")
         hyper = [
-            [{k: v for k, v in g.items() if k != "params"} for g in o.param_groups] for o in self.optimizers
+            [{k: v for k, v in g.items() if k not in schedule} for g in o.param_groups]
+            for o in self.optimizers
         ]
         set_optimizer_state_dict(self.model, self.optimizers, state, options=_FLAT)
         for opt, groups in zip(self.optimizers, hyper, strict=True):
