@@ -317,7 +317,7 @@ class Trainer:
             return
         self.stop.install()
         self.checkpointer.load()  # restores self.step / tokens_seen / the data position
-        self.first_step, self.last_loss = self.step, None  # for the summary line
+        self.first_step = self.step  # the summary counts this invocation's steps
         start = time.perf_counter()
         while self.step < self.cfg.training.steps:
             t0 = time.perf_counter()
