@@ -123,7 +123,7 @@ def test_resume_with_another_schedule_is_refused_or_continues_with_the_override(
     assert json.loads((tmp_path / "run.json").read_text())["settings"]["optimizer.weight_decay"] == 0.3
 
 
-def test_fixed_settings_and_bad_override_names(tmp_path, tiny_llama):
+def test_fixed_settings_and_bad_override_names(tmp_path, tiny_llama, caplog):
     saved = run_settings(load_config(args(tiny_llama, tmp_path, 3)))
     seed = run_settings(load_config(args(tiny_llama, tmp_path, 3, "--training.seed", "7")))
     with pytest.raises(
@@ -137,7 +137,14 @@ def test_fixed_settings_and_bad_override_names(tmp_path, tiny_llama):
     ):
         load_config(args(tiny_llama, tmp_path, 3, "--checkpoint.allow_changes", "training.stepz"))
     # Layout and training.steps are how the run is computed: logged, never refused.
-    check_resume(saved, saved, (), tmp_path, {"dp": 1, "training.steps": 3}, {"dp": 2, "training.steps": 9})
+    with caplog.at_level(logging.INFO, logger="titan_thd"):
+        check_resume(
+            saved, saved, (), tmp_path, {"dp": 1, "training.steps": 3}, {"dp": 2, "training.steps": 9}
+        )
+    assert caplog.messages == [
+        f"checkpoint: resuming {tmp_path} with another layout or length (how the run is computed, not what it "
+        "trains; DCP reshards): dp 1 -> 2, training.steps 3 -> 9"
+    ]
 
 
 def test_new_run_does_not_replace_another_runs_metrics(tmp_path, tiny_llama, capsys, caplog):

@@ -172,7 +172,8 @@ def check_resume(
     how = changes(saved_layout or {}, current_layout or {}) if saved_layout and current_layout else {}
     if how:
         logger.info(
-            "checkpoint: resuming %s on another layout (DCP reshards; the run is the same): %s",
+            "checkpoint: resuming %s with another layout or length (how the run is computed, not what it "
+            "trains; DCP reshards): %s",
             where,
             describe(how),
         )
