@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from titan_thd.components.precision import ComputeChoice, ReduceChoice, validate_precision
+from titan_thd.components.run_settings import FIXED, RUN_KEYS
 from titan_thd.data.planner import Policy
 from titan_thd.data.sources import Schema
 from titan_thd.data.tokenizer import ChatTemplate
@@ -271,6 +272,14 @@ class Checkpoint:
     """Keep only the newest k checkpoints (0 keeps all)."""
     load_step: int = -1
     """Resume from this step (-1 = the newest complete checkpoint)."""
+    allow_changes: tuple[str, ...] = ()
+    """Run settings a resume may change, e.g. `--checkpoint.allow_changes lr_scheduler.total_steps,optimizer.lr`
+    (TOML: a list). A resume whose schedule, optimizer, batch, data or numerics settings (the keys of
+    titan_thd/components/run_settings.py RUN_KEYS, and model.args entries) differ from the checkpoint's is
+    refused with the changes (old -> new) unless every changed key is listed here; the run then continues
+    with the new values and logs them. training.seed and training.global_batch_size place the data
+    position and cannot change. Layout (parallel degrees, world size) and training.steps are not run
+    settings: DCP reshards, and a change is logged. Empty: no changes (docs/design.md §3.11)."""
 
 
 @dataclass
@@ -281,6 +290,10 @@ class Metrics:
     """Write TensorBoard scalars to <dump_folder>/tb."""
     peak_tflops: float = 0.0
     """Peak TFLOP/s per rank for MFU (0 = a measured matmul peak of the compute dtype)."""
+    overwrite: bool = False
+    """Let a new run (nothing to resume) replace the metrics.jsonl and TensorBoard events of another run in
+    job.dump_folder. Without it such a run is refused, naming the folder; a rerun with the same run settings
+    (<dump_folder>/run.json) replaces them anyway, and a resumed run appends."""
 
 
 @dataclass
@@ -625,6 +638,7 @@ def validate(cfg: Config) -> None:
         raise ValueError(
             f"checkpoint.load_step: got {cfg.checkpoint.load_step}, expected -1 (newest) or a step >= 0"
         )
+    _validate_allow_changes(cfg.checkpoint.allow_changes)
     if not 0.0 <= cfg.lr_scheduler.min_lr_factor <= 1.0:
         raise ValueError(f"lr_scheduler.min_lr_factor: got {cfg.lr_scheduler.min_lr_factor}, expected 0..1")
     if cfg.checkpoint.keep_latest_k == 1:
@@ -647,6 +661,21 @@ def validate(cfg: Config) -> None:
         raise ValueError(f"data.source = {cfg.data.source} needs data.path")
     _validate_validation(cfg)
     _validate_evaluation(cfg)
+
+
+def _validate_allow_changes(names: tuple[str, ...]) -> None:
+    for name in names:
+        if name in FIXED:
+            raise ValueError(
+                f"checkpoint.allow_changes: {name} cannot change on a resume (it places the checkpoint's data "
+                "position); start a new run in another job.dump_folder instead"
+            )
+        if name not in RUN_KEYS and not name.startswith("model.args."):
+            allowed = [k for k in RUN_KEYS if k not in FIXED]
+            raise ValueError(
+                f"checkpoint.allow_changes: got {name!r}, expected run settings among {', '.join(allowed)}, "
+                "model.args.<name>"
+            )
 
 
 def _validate_evaluation(cfg: Config) -> None:

@@ -139,6 +139,43 @@ def stopped_line(
     return f"{how}: checkpoint {saved}; resume with: {resume_command(argv, cfg)}"
 
 
+def summary_line(
+    cfg: Config,
+    argv: list[str],
+    *,
+    first_step: int,
+    step: int,
+    tokens: int,
+    seconds: float,
+    loss: float | None,
+    checkpoint: Path | None,
+    stopped: bool,
+) -> str:
+    """What a run did and where its outputs are: the last line of a finished run; a stopped run's
+    `stopped_line` follows it (it names the checkpoint and the resume command). `first_step`: the
+    step the run started after (the resumed checkpoint's); `checkpoint`: the newest one, or None."""
+    minutes, secs = divmod(round(seconds), 60)
+    did = (
+        f"steps {first_step + 1}-{step} of {cfg.training.steps}"
+        if step > first_step
+        else f"no step (at step {step})"
+    )
+    final = f", final loss {loss:.4f}" if loss is not None else ""
+    dump = Path(cfg.job.dump_folder)
+    tb = f", TensorBoard {dump / 'tb'}" if cfg.metrics.enable_tensorboard else ""
+    if stopped:
+        ckpt = ""
+    elif checkpoint is None:
+        ckpt = "; no checkpoint (--checkpoint.enable true saves them and resumes)"
+    else:
+        more = " (add --training.steps N to train further)" if step >= cfg.training.steps else ""
+        ckpt = f"; checkpoint {checkpoint}; resume with: {resume_command(argv, cfg)}{more}"
+    return (
+        f"summary: {did}, {tokens:,} tokens in all, {minutes}m{secs:02d}s{final}; "
+        f"metrics {dump / 'metrics.jsonl'}{tb}{ckpt}"
+    )
+
+
 def resume_command(argv: list[str], cfg: Config) -> str:
     """The run_train.sh command of this run (`argv`: the trainer's arguments), which resumes it."""
     args, rest = [], iter(argv)

@@ -29,8 +29,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from titan_thd.components import hardware
-from titan_thd.components.checkpoint import CheckpointManager, model_fingerprint
+from titan_thd.components import hardware, run_settings
+from titan_thd.components.checkpoint import CheckpointManager, checkpoint_steps, model_fingerprint
 from titan_thd.components.precision import Precision, resolve_precision
 from titan_thd.config import Config, Parallelism, coerce, validate
 from titan_thd.data.dataloader import DataLayout, OrderedSteps, build_dataloader
@@ -366,9 +366,19 @@ def preflight(cfg: Config) -> None:
             lr_schedulers=[],
             states={},
             fingerprint=model_fingerprint([model], model=cfg.model.name, flavor=cfg.model.flavor),
+            settings=run_settings.run_settings(cfg),
+            layout=run_settings.run_layout(inputs.dims, cfg.training.steps),
         )
         checkpointer.check_resumable()
+    check_outputs(cfg)
     logger.info("preflight: inputs of a %d-process run are fine", inputs.dims.world_size)
+
+
+def check_outputs(cfg: Config) -> None:
+    """ValueError when a new run would replace another run's metrics in job.dump_folder
+    (components/run_settings.py check_run_folder)."""
+    checkpoints = checkpoint_steps(Path(cfg.job.dump_folder) / cfg.checkpoint.folder)
+    run_settings.check_run_folder(cfg, checkpoints)
 
 
 def attention_cost_weight(spec: ModelSpec, args: Any) -> float:

@@ -47,6 +47,7 @@ from titan_thd.components.optimizer import (
 )
 from titan_thd.components.precision import Precision
 from titan_thd.components.run_header import header_lines
+from titan_thd.components.run_settings import run_layout, run_settings
 from titan_thd.components.signals import StopSignal
 from titan_thd.components.validation import Validator
 from titan_thd.config import Config, help_text, load_config, to_toml
@@ -57,7 +58,15 @@ from titan_thd.data.packed_batch import PackedBatch
 from titan_thd.data.stores import build_stores
 from titan_thd.data.tokenizer import Tokenizer
 from titan_thd.inference.evaluation import TrainingEvaluator
-from titan_thd.inputs import cache_dir, check_inputs, data_layout, env_world_size, hybrid_threshold, preflight
+from titan_thd.inputs import (
+    cache_dir,
+    check_inputs,
+    check_outputs,
+    data_layout,
+    env_world_size,
+    hybrid_threshold,
+    preflight,
+)
 from titan_thd.models.hf_tokenizer import write_tokenizer
 from titan_thd.models.spec import ModelSpec
 from titan_thd.parallel import distributed as dist_utils
@@ -104,6 +113,10 @@ class Trainer:
     tokens_seen: int
     precision: Precision
     """Master, compute and reduction dtypes (components/precision.py)."""
+    # ---- this invocation (the summary line)
+    first_step: int
+    train_seconds: float
+    last_loss: float | None
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
@@ -114,6 +127,7 @@ class Trainer:
         inputs = check_inputs(cfg, env_world_size("NGPU" if fake else "WORLD_SIZE"))
         self.spec, self.tokenizer, self.model_args = inputs.spec, inputs.tokenizer, inputs.model_args
         self.parallel_dims = dims = inputs.dims
+        check_outputs(cfg)  # a new run does not replace another run's metrics
         self.evaluator = (  # answer accuracy on held-out chat problems (titan_thd/inference/evaluation.py)
             TrainingEvaluator(cfg.evaluation, t.steps, self.tokenizer, t.tokens_per_microbatch)
             if cfg.evaluation.enable
@@ -173,6 +187,7 @@ class Trainer:
         self.lr_schedulers = LRSchedulersContainer(self.optimizers, cfg.lr_scheduler, t.steps)
 
         self.step, self.tokens_seen = 0, 0
+        self.first_step, self.train_seconds, self.last_loss = 0, 0.0, None  # this invocation's, for summary()
         self.checkpointer = CheckpointManager(
             cfg.checkpoint,
             cfg.job.dump_folder,
@@ -181,6 +196,8 @@ class Trainer:
             lr_schedulers=self.lr_schedulers,
             states={"train_state": self, "dataloader": self.dataloader},
             fingerprint=fingerprint,
+            settings=run_settings(cfg),  # a resume with other settings is refused (run_settings.py)
+            layout=run_layout(dims, t.steps),
         )
         self.stop = StopSignal(announce=self.dist.is_main)  # SIGTERM, Ctrl-C: installed by train()
         self.stopped = False  # whether a stop signal (to any rank) ended train() early
@@ -194,9 +211,10 @@ class Trainer:
                 int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
             )
         dist_utils.barrier()
-        self.metrics = MetricsLogger(cfg.metrics, cfg.job.dump_folder, enabled=self.dist.is_main)
+        self.metrics = MetricsLogger(
+            cfg.metrics, cfg.job.dump_folder, enabled=self.dist.is_main, settings=run_settings(cfg)
+        )
         self._recent_step_times: collections.deque[float] = collections.deque(maxlen=10)
-        self._first_step = 1  # of this process: a resume sets it in train()
         self.timer = StepTimer(self.dist.device)
         if self.dist.is_main:
             self._log_header(inputs.stages)
@@ -299,7 +317,7 @@ class Trainer:
             | val
         )
         self.metrics.log(record, last_step=self.cfg.training.steps)
-        if self.step > self._first_step:  # the first step of a process warms up: not a rate
+        if self.step > self.first_step + 1:  # the first step of a process warms up: not a rate
             self._recent_step_times.append(step_time)
         last = self.cfg.training.steps
         if self.dist.is_main and self.step < last and self.metrics.should_print(self.step, last):
@@ -321,7 +339,7 @@ class Trainer:
             return
         self.stop.install()
         self.checkpointer.load()  # restores self.step / tokens_seen / the data position
-        self._first_step = self.step + 1
+        self.first_step = self.step  # the summary counts this invocation's steps
         start = time.perf_counter()
         while self.step < self.cfg.training.steps:
             t0 = time.perf_counter()
@@ -331,6 +349,7 @@ class Trainer:
             result = self.train_step(step_batch)
             self.tokens_seen += step_batch.real_tokens
             now = time.perf_counter()
+            self.train_seconds, self.last_loss = now - start, result["loss"]
             result |= self.validate()
             result |= self.evaluate()
             self.log(step_batch, result, now - t0, now - start)
@@ -349,6 +368,26 @@ class Trainer:
         self.stop.restore()
         if self.dist.single_rank_group:  # the group of one this trainer started (mixed precision)
             dist_utils.destroy()
+
+    def summary(self, argv: list[str]) -> None:
+        """The end of a run: what it did and where it is; a stopped run's stop line after it."""
+        ckpt = self.checkpointer
+        steps = ckpt.complete_steps() if ckpt.enabled else []
+        saved = ckpt.step_dir(steps[-1]) if steps else None
+        line = exits.summary_line(
+            self.cfg,
+            argv,
+            first_step=self.first_step,
+            step=self.step,
+            tokens=self.tokens_seen,
+            seconds=self.train_seconds,
+            loss=self.last_loss,
+            checkpoint=saved,
+            stopped=self.stopped,
+        )
+        logger.info("%s", line)
+        if self.stopped:
+            logger.info("%s", exits.stopped_line(self.stop.received, self.step, saved, argv, self.cfg))
 
     # ------------------------------------------------------------------ helpers
     def _token_stores(self):
@@ -486,10 +525,8 @@ def main(argv: list[str] | None = None) -> int:
         # The ranks leave together: a rank's exit closes its connections, and gloo can fail an
         # operation that a slower peer still has to post with it.
         dist_utils.barrier()
-        if trainer.stopped and trainer.dist.is_main:
-            ckpt = trainer.checkpointer
-            saved = ckpt.step_dir(trainer.step) if ckpt.enabled else None
-            logger.info("%s", exits.stopped_line(trainer.stop.received, trainer.step, saved, argv, cfg))
+        if trainer.dist.is_main:
+            trainer.summary(argv)
     except KeyboardInterrupt:  # Ctrl-C before the training loop, whose handler stops after a step
         return exits.report("stopped by Ctrl-C before the first step: nothing to save", exits.INTERRUPTED)
     except Exception as e:

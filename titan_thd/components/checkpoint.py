@@ -3,7 +3,8 @@
 Folder layout, `<job.dump_folder>/<checkpoint.folder>/`:
 
     step-40/              a complete checkpoint: DCP shards (`__<rank>_0.distcp`), `.metadata`,
-                          and `meta.json` (step, world size, model fingerprint, file checksums)
+                          and `meta.json` (step, world size, model fingerprint, file checksums,
+                          the run settings and layout: components/run_settings.py)
     step-60.tmp-<tag>/    a save in progress, or one a crash interrupted; never loaded
 
 What one checkpoint holds (top-level keys of the DCP state dict):
@@ -63,6 +64,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 
+from titan_thd.components.run_settings import check_resume
 from titan_thd.parallel import distributed
 
 if TYPE_CHECKING:  # annotations only: config imports the modules that own its choice lists
@@ -173,6 +175,13 @@ def write_meta(folder: Path, step: int, world_size: int, fingerprint: dict[str, 
     (folder / META_FILE).write_text(json.dumps(meta))
 
 
+def checkpoint_steps(folder: Path) -> list[int]:
+    """Steps of the complete checkpoints in `folder` (folders named exactly step-<N>), ascending."""
+    if not folder.is_dir():
+        return []
+    return sorted(int(m.group(1)) for p in folder.iterdir() if p.is_dir() and (m := STEP_DIR.match(p.name)))
+
+
 def _all_gather(obj: Any) -> list[Any]:
     """Every rank's `obj`, in rank order (`[obj]` alone)."""
     if distributed.world_size() == 1:
@@ -210,7 +219,9 @@ class CheckpointManager:
     OptimizersContainer; None = no optimizer state, e.g. a preflight check). `states` maps a key to any object with
     `state_dict()` / `load_state_dict()` whose state is the same on every rank (train state,
     the layout-free data state). `fingerprint` (see `model_fingerprint`) is stored and compared
-    on load so a checkpoint of another model fails with the list of differences.
+    on load so a checkpoint of another model fails with the list of differences. `settings` and
+    `layout` (components/run_settings.py) are stored too; a resume whose settings differ is refused
+    unless checkpoint.allow_changes names every change.
     """
 
     def __init__(
@@ -223,6 +234,8 @@ class CheckpointManager:
         lr_schedulers: Any,
         states: dict[str, Stateful],
         fingerprint: dict[str, Any],
+        settings: dict[str, Any] | None = None,
+        layout: dict[str, Any] | None = None,
     ) -> None:
         clash = sorted(set(states) & set(RESERVED_KEYS))
         assert not clash, f"states keys {clash} collide with the checkpoint's own keys {RESERVED_KEYS}"
@@ -234,6 +247,7 @@ class CheckpointManager:
         )
         self.states = dict(states)
         self.fingerprint = json.loads(json.dumps(fingerprint))  # tuples -> lists, as stored
+        self.settings, self.layout = settings, layout
         self.enabled = cfg.enable and not distributed.is_fake()
         if cfg.enable and not self.enabled:
             logger.warning("checkpoint: disabled in a fake-process-group dry run (DCP needs real processes)")
@@ -245,11 +259,7 @@ class CheckpointManager:
 
     def complete_steps(self) -> list[int]:
         """Steps of the complete checkpoints (folders named exactly step-<N>), ascending."""
-        if not self.folder.is_dir():
-            return []
-        return sorted(
-            int(m.group(1)) for p in self.folder.iterdir() if p.is_dir() and (m := STEP_DIR.match(p.name))
-        )
+        return checkpoint_steps(self.folder)
 
     def _leftovers(self) -> list[Path]:
         if not self.folder.is_dir():
@@ -351,6 +361,8 @@ class CheckpointManager:
             "step": step,
             "world_size": distributed.world_size(),
             "fingerprint": self.fingerprint,
+            "settings": self.settings,
+            "layout": self.layout,
             "time": time.strftime("%Y-%m-%d %H:%M:%S"),
             "files": dict(sorted(files.items())),
         }
@@ -420,6 +432,15 @@ class CheckpointManager:
             )
         if diffs:
             raise ValueError(f"checkpoint {path} was saved from another model:\n  " + "\n  ".join(diffs))
+        if self.settings is not None:
+            check_resume(
+                meta.get("settings"),
+                self.settings,
+                self.cfg.allow_changes,
+                path,
+                meta.get("layout"),
+                self.layout,
+            )
         return meta
 
     def _earlier(self, path: Path) -> str:
@@ -470,8 +491,9 @@ class CheckpointManager:
             raise ValueError(f"checkpoint {path} lacks entries this run needs: {shown}")
 
     def check_resumable(self) -> None:
-        """ValueError now when `load()` would refuse its checkpoint: checkpoint.load_step not saved, or
-        the checkpoint saved from another model (a preflight, without loading anything)."""
+        """ValueError now when `load()` would refuse its checkpoint: checkpoint.load_step not saved, the
+        checkpoint saved from another model or by a run with other settings (a preflight, without loading
+        anything)."""
         step = self._resume_step() if self.enabled else None
         if step is not None:
             self._read_meta(self.step_dir(step))

@@ -38,6 +38,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from titan_thd.components.run_settings import write_run_file
+
 if TYPE_CHECKING:  # annotations only: config imports the modules that own its choice lists
     from titan_thd.config import Metrics as MetricsConfig
 
@@ -231,12 +233,18 @@ class MetricsLogger:
       a temporary file that replaces metrics.jsonl in one rename, so a crash during the rebuild
       leaves the old file or the new one, never a mix;
     - TensorBoard is opened with `purge_step` = the first step: readers discard the events of
-      that step and later ones that an earlier, interrupted run wrote.
+      that step and later ones that an earlier, interrupted run wrote; a run that starts at step 1
+      deletes the older event files (the run it replaces: components/run_settings.py decides
+      beforehand whether a new run may replace the folder's metrics).
+    `settings` (the run settings) go to `<dump_folder>/run.json` when the file is prepared.
     """
 
-    def __init__(self, cfg: MetricsConfig, dump_folder: str, *, enabled: bool):
+    def __init__(
+        self, cfg: MetricsConfig, dump_folder: str, *, enabled: bool, settings: dict[str, Any] | None = None
+    ):
         self.cfg = cfg
         self.enabled = enabled
+        self.settings = settings
         self.path = Path(dump_folder) / "metrics.jsonl"
         self.tb_dir = Path(dump_folder) / "tb"
         self.jsonl: io.RawIOBase | None = None
@@ -289,6 +297,11 @@ class MetricsLogger:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self.path)
+        if self.settings is not None:
+            write_run_file(self.path.parent, self.settings)
+        if first_step <= 1:  # a new run: the replaced run's events would mix with its own
+            for old in self.tb_dir.glob("events.out.tfevents.*"):
+                old.unlink()
         fd = os.open(self.path.parent, os.O_RDONLY)  # the rename itself is durable
         try:
             os.fsync(fd)

@@ -88,7 +88,19 @@ class OptimizersContainer:
         return get_optimizer_state_dict(self.model, self.optimizers, options=_FLAT)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """The checkpoint's state (moments, step counts); the hyperparameters stay this run's (its
+        config: a resume may change them with checkpoint.allow_changes, components/run_settings.py),
+        where loading alone would restore the saved ones (weight decay, betas, ...). The learning rate
+        is the schedule's: the LR scheduler's state sets it (lr_scheduler.py)."""
+        schedule = ("params", "lr", "initial_lr")
+        hyper = [
+            [{k: v for k, v in g.items() if k not in schedule} for g in o.param_groups]
+            for o in self.optimizers
+        ]
         set_optimizer_state_dict(self.model, self.optimizers, state, options=_FLAT)
+        for opt, groups in zip(self.optimizers, hyper, strict=True):
+            for group, values in zip(opt.param_groups, groups, strict=True):
+                group.update(values)
 
 
 def build_optimizers(model: nn.Module, cfg: OptimizerConfig, spec: ModelSpec) -> OptimizersContainer:

@@ -19,6 +19,7 @@ from torch import nn
 from titan_thd.components import hardware
 from titan_thd.components.muon import Muon
 from titan_thd.components.precision import Precision, precision_warnings
+from titan_thd.components.run_settings import data_description
 from titan_thd.parallel.activation_checkpoint import describe
 from titan_thd.parallel.fsdp import estimate_memory_per_rank
 from titan_thd.parallel.parallel_dims import ParallelDims
@@ -80,7 +81,7 @@ def header_lines(
     )
     counts = loader.overlong_counts
     lines.append(
-        f"data {c.data.source} {c.data.path or c.data.mock_config}: {loader.steps.num_samples} samples; "
+        f"data {c.data.source} {data_description(c)}: {loader.steps.num_samples} samples; "
         f"{counts['truncated']} truncated, {counts['dropped']} dropped (longer than T = "
         f"{c.training.tokens_per_microbatch}); global batch {c.training.global_batch_size}"
     )
