@@ -1,6 +1,6 @@
 """docs/data.md §1's copy-paste pair, run as written: pack the recipe's data offline, then train on
-the pack. The commands run in a scratch folder that links `.venv`, `scripts`, `train_configs` and
-`run_train.sh` of this checkout, so `packs/` and `outputs/` land there. One deviation: the training
+the pack. The commands run in a scratch folder that links `.venv`, `scripts`, `train_configs`,
+`run_train.sh`, `titan_thd` and `pyproject.toml` of this checkout, so `packs/` and `outputs/` land there. One deviation: the training
 command gets `--training.steps 1` (and no MFU peak measurement); the pack is the real one."""
 
 import json
@@ -31,7 +31,7 @@ def test_the_docs_give_a_pack_and_train_pair():
 
 @pytest.mark.slow
 def test_the_pack_and_train_pair_runs_as_written(tmp_path):
-    for name in (".venv", "scripts", "train_configs", "run_train.sh", "titan_thd"):
+    for name in (".venv", "scripts", "train_configs", "run_train.sh", "titan_thd", "pyproject.toml"):
         (tmp_path / name).symlink_to(ROOT / name)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     pack, train = pack_commands()

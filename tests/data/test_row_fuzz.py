@@ -50,7 +50,7 @@ def config(model, flavor, mode, cp, tp, pp, ep, T, trim=True):
 def accepted(cfg):
     """(spec, args, dims) when start-up accepts cfg, else None."""
     try:
-        spec, _, args, dims, _ = check_inputs(
+        inputs = check_inputs(
             cfg,
             DP
             * cfg.parallelism.context_parallel_degree
@@ -59,7 +59,7 @@ def accepted(cfg):
         )
     except ValueError:
         return None
-    return spec, args, dims
+    return inputs.spec, inputs.model_args, inputs.dims
 
 
 def layouts(model):

@@ -65,11 +65,12 @@ def test_start_up_and_the_loader_share_the_rule(tmp_path):
     cfg = load_config(
         [*base, "--training.tokens_per_microbatch", "256", "--parallelism.context_parallel_degree", "4"]
     )
-    spec, _, args, _, _ = check_inputs(cfg, 4)
+    inputs = check_inputs(cfg, 4)
+    spec, args = inputs.spec, inputs.model_args
     rule = microbatch_rule(cfg, spec, args)
     assert (rule.multiple, rule.minimum, rule.fixed) == (4, 4 * args.halo, False)
     cfg = load_config(
         [*base, "--training.tokens_per_microbatch", "256", "--parallelism.pipeline_parallel_degree", "2"]
     )
-    spec, _, args, _, _ = check_inputs(cfg, 2)
-    assert microbatch_rule(cfg, spec, args).fixed  # pipeline stages exchange fixed shapes
+    inputs = check_inputs(cfg, 2)
+    assert microbatch_rule(cfg, inputs.spec, inputs.model_args).fixed  # pipeline stages exchange fixed shapes

@@ -144,8 +144,14 @@ def test_two_launchers_train_like_one_node_of_two(one_node, common, launchers, t
     node0 = launchers(0, args, logs[0], RDZV_ENDPOINT=endpoint)
     out = wait_all([node0, node1], logs)
     assert "world 2 on cpu: dp 2, cp 1" in out
-    # LOG_RANK=0 shows local rank 0 of each node: global rank 0 on one of them, rank 1 on the other.
-    assert sorted("[rank0]:" in log.read_text() for log in logs) == [False, True], out[-6000:]
+    # LOG_RANK=0 shows local rank 0 of each node: global rank 0 on one of them (the header is its
+    # alone), rank 1 on the other (which logs only its own peak memory).
+    texts = [log.read_text() for log in logs]
+    assert sorted("model llama/debug" in t for t in texts) == [False, True], out[-6000:]
+    assert sorted(("rank 0: peak memory" in t, "rank 1: peak memory" in t) for t in texts) == [
+        (False, True),
+        (True, False),
+    ], out[-6000:]
     got = records(tmp_path / "dump")
     assert [r["step"] for r in got] == [1, 2, 3]
     for a, b in zip(one_node, got):
