@@ -10,6 +10,9 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 ./scripts/setup_env.sh test
 VENV="${TITAN_THD_VENV:-$ROOT/.venv}"
+# One thread per process: 2 workers on 2 cores, and the multi-process tests start 2-8 ranks each
+# (more threads than cores thrash). OMP_NUM_THREADS=2 ./scripts/test.sh runs with two.
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 # Lint first: seconds, and a style error fails CI like a test does.
 "$VENV/bin/ruff" check .
 "$VENV/bin/ruff" format --check .

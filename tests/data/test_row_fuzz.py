@@ -80,7 +80,7 @@ def layouts(model):
             # The smallest T of this layout: a microbatch of the fewest rows the loader may emit.
             smallest = microbatch_rule(cfg, found[0], found[1]).minimum
             variants = (
-                ((smallest, True), (4 * smallest, True), (smallest, False))
+                ((smallest, True), (2 * smallest, True), (smallest, False))
                 if pp == 1
                 else ((smallest, True),)
             )

@@ -70,7 +70,10 @@ def one_and_dp2_cp2(tmp_path, args, header, steps=STEPS):
     "args, header, keys",
     [
         (LLAMA, "dp 2, cp 2 (zigzag)", ("loss",)),
-        (DSV4, "dp 2, cp 2 (contiguous)", ("loss", "aux/mtp", "aux/indexer")),
+        # dsv4 CP vs one process also runs in test_train_adversarial (cp4, dp2 x cp2 x ep2): extended here
+        pytest.param(
+            DSV4, "dp 2, cp 2 (contiguous)", ("loss", "aux/mtp", "aux/indexer"), marks=pytest.mark.extended
+        ),
     ],
     ids=["llama-zigzag", "dsv4-contiguous"],
 )

@@ -15,6 +15,7 @@ MOCK = ["--data.source", "mock", "--data.num_samples", "64", "--training.global_
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # hybrid CP vs one process also runs in test_train_adversarial (llama cp4 hybrid)
 def test_hybrid_cp2_matches_one_process(tmp_path):
     common = [*LLAMA, *MOCK, "--training.steps", str(STEPS), "--metrics.enable_tensorboard", "false"]
     one = run_train(*common, "--job.dump_folder", str(tmp_path / "one"))

@@ -114,7 +114,16 @@ def read_until(proc: subprocess.Popen, pattern: str, lines: list[str]) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ngpu, how", [("1", "SIGTERM"), ("2", "SIGTERM"), ("1", "Ctrl-C"), ("2", "Ctrl-C")])
+@pytest.mark.parametrize(
+    "ngpu, how",
+    # Ctrl-C and SIGTERM take the same path (components/signals.py); 2 x SIGTERM: the multinode test too.
+    [
+        ("1", "SIGTERM"),
+        pytest.param("2", "SIGTERM", marks=pytest.mark.extended),
+        ("1", "Ctrl-C"),
+        ("2", "Ctrl-C"),
+    ],
+)
 def test_stop_signal_saves_and_exits_zero(run20, tmp_path, ngpu, how):
     """`kill -TERM <run_train.sh>` or Ctrl-C mid-run: the ranks finish the step, save it, and the
     run exits 0 with one line naming the checkpoint and the command that resumes from it (NGPU=2:

@@ -65,6 +65,7 @@ def scratch(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # 45 s; the default run exports through the README's dense commands
 def test_readme_hf_round_trip_runs_as_written(scratch):
     lines, snippet = hf_round_trip()
     assert lines == [

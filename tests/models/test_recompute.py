@@ -254,7 +254,7 @@ def _module_forward(forward: dict, suffixes: list[str]) -> int:
     return sum(v for k, v in forward.items() if any(k.endswith(s) for s in suffixes))
 
 
-@pytest.mark.parametrize("name", ["llama", "dsv4"])
+@pytest.mark.parametrize("name", ["llama", pytest.param("dsv4", marks=pytest.mark.extended)])
 def test_recompute_flops_are_one_more_forward_of_what_is_recomputed(plain, name, monkeypatch):
     """Forward + backward FLOPs with recomputation less without = the forward FLOPs of the recomputed
     blocks / modules, less the indexer's top-k scoring inside them (decided once, replayed)."""

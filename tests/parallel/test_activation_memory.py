@@ -77,7 +77,7 @@ def _estimate_and_peak(model: str, extra: list[str], tmp_path) -> tuple[float, i
     return saved + back + other.total_bytes, live.peak, (saved + back) / (saved + back + other.total_bytes)
 
 
-EXTENDED = {("dsv4", "none"), ("dsv4", "full first1")}
+EXTENDED = {("dsv4", "none"), ("dsv4", "full first1"), ("dsv4", "full"), ("dsv4", "moe_act,mhc")}
 """Cases of the extended set (4-5 s each; llama none covers the plain estimate in the default run)."""
 
 
