@@ -16,12 +16,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import platform
 import time
 from pathlib import Path
 
 import torch
 
+from titan_thd.components.hardware import cpu_model_name
 from titan_thd.inference.generate import GenerationStats, generate
 from titan_thd.models.dsv4 import build_dsv4
 from titan_thd.models.dsv4 import flavors as dsv4_flavors
@@ -29,16 +29,6 @@ from titan_thd.models.llama import build_llama
 from titan_thd.models.llama import flavors as llama_flavors
 
 VOCAB = 320  # the byte tokenizer's 264 ids rounded up to a multiple of 64, as the trainer does
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def build(name: str) -> torch.nn.Module:
@@ -88,7 +78,7 @@ def main() -> int:
         rows[-1]["speedup"] = 1.0
     print(
         f"{opts.prompts} prompts x {opts.prompt_len} tokens, {opts.new_tokens} new tokens each, greedy; "
-        f"{cpu_name()}, {torch.get_num_threads()} threads"
+        f"{cpu_model_name()}, {torch.get_num_threads()} threads"
     )
     print(
         f"{'model':<7}{'decoder':<11}{'prefill tok/s':>14}{'decode tok/s':>14}{'new tok/s':>11}{'s':>8}{'speedup':>9}  same tokens"
@@ -102,7 +92,7 @@ def main() -> int:
         setup = {k: getattr(opts, k) for k in ("prompts", "prompt_len", "new_tokens")}
         opts.json.write_text(
             json.dumps(
-                {"cpu": cpu_name(), "threads": torch.get_num_threads(), **setup, "rows": rows}, indent=2
+                {"cpu": cpu_model_name(), "threads": torch.get_num_threads(), **setup, "rows": rows}, indent=2
             )
             + "\n"
         )
