@@ -81,6 +81,26 @@ def test_vocab_rounded_and_train_step_runs(trainer):
     assert 0 < out["loss"] < 10 and out["grad_norm"] > 0
 
 
+def test_a_run_beyond_the_hosts_memory_is_refused_with_the_numbers(trainer, monkeypatch):
+    """CPU ranks share the host: 4 ranks of the header's estimate against 1 byte less than that is
+    refused before the first step (the message names both sums and the way out); exactly enough passes."""
+    import titan_thd.train as train_module
+    from titan_thd.pipeline.split import size
+
+    per_rank = trainer.rank_bytes_estimate
+    assert per_rank > sum(p.numel() * p.element_size() for p in trainer.model.parameters())
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setattr(train_module, "available_host_bytes", lambda: 4 * per_rank - 1)
+    with pytest.raises(ValueError) as refused:
+        trainer._refuse_beyond_host_memory()
+    message = str(refused.value)
+    for part in (f"4 rank(s) on this host x {size(per_rank)} estimated", f") = {size(4 * per_rank)}, more",
+                 "activation_checkpoint.mode = none", "--activation_checkpoint.mode full"):  # fmt: skip
+        assert part in message, (part, message)
+    monkeypatch.setattr(train_module, "available_host_bytes", lambda: 4 * per_rank)
+    trainer._refuse_beyond_host_memory()
+
+
 def test_attention_cost_weight_reads_the_flops_formula(trainer):
     """flops(L) = a (L + b L^2) for one document: b is the planner's weight of sum(len^2)."""
     spec, args = trainer.spec, trainer.model_args

@@ -30,7 +30,7 @@ from torch import nn
 from titan_thd import exits
 from titan_thd.components.checkpoint import CheckpointManager, model_fingerprint
 from titan_thd.components.dry_run import fake_step_fits
-from titan_thd.components.live_memory import max_rss_bytes
+from titan_thd.components.live_memory import available_host_bytes, max_rss_bytes
 from titan_thd.components.lr_scheduler import LRSchedulersContainer
 from titan_thd.components.metrics import (
     MetricsLogger,
@@ -77,7 +77,7 @@ from titan_thd.parallel.parallel_dims import ParallelDims
 from titan_thd.pipeline import activations
 from titan_thd.pipeline.runner import LazyInputs, LocalRunner, build
 from titan_thd.pipeline.schedule import PipelineSchedule, StageInput
-from titan_thd.pipeline.split import stage_summary
+from titan_thd.pipeline.split import size, stage_summary
 
 logger = logging.getLogger("titan_thd")
 
@@ -216,6 +216,7 @@ class Trainer:
         )
         self._recent_step_times: collections.deque[float] = collections.deque(maxlen=10)
         self.timer = StepTimer(self.dist.device)
+        self.rank_bytes_estimate = 0  # one rank's memory, params to activations (the header's line)
         if self.dist.is_main:
             self._log_header(inputs.stages)
             if not self.dist.fake:  # the run folder holds the tokenizer it was trained with
@@ -337,6 +338,7 @@ class Trainer:
     def train(self) -> None:
         if self.dist.fake and not self._fake_step_fits():
             return
+        self._refuse_beyond_host_memory()
         self.stop.install()
         self.checkpointer.load()  # restores self.step / tokens_seen / the data position
         self.first_step = self.step  # the summary counts this invocation's steps
@@ -360,7 +362,34 @@ class Trainer:
                 self.stopped = True
                 break
         if self.dist.device.type == "cpu":  # on a GPU the allocator's peak is the figure (not printed yet)
-            logger.info("rank %d: peak memory (max RSS) %.2f GiB", self.dist.rank, max_rss_bytes() / 2**30)
+            peaks = dist_utils.all_gather_object(max_rss_bytes() / 2**30)
+            if self.dist.is_main:
+                listed = ", ".join(f"{p:.2f}" for p in peaks)
+                logger.info("peak memory (max RSS) per rank: %s GiB (largest %.2f)", listed, max(peaks))
+
+    def _refuse_beyond_host_memory(self) -> None:
+        """On CPU the ranks of a host share its memory: a run whose estimate cannot fit is refused
+        here, with the numbers, instead of being killed by the kernel in its first step (which can
+        take the user's other work with it). Rank 0 decides for all, so they refuse together."""
+        if self.dist.fake or self.dist.device.type != "cpu":
+            return
+        message = ""
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        need, available = self.rank_bytes_estimate * local, available_host_bytes()
+        if self.dist.is_main and need > available:
+            c = self.cfg
+            message = (
+                f"memory: {local} rank(s) on this host x {size(self.rank_bytes_estimate)} estimated "
+                f"per rank (the header's activation line: training.tokens_per_microbatch "
+                f"{c.training.tokens_per_microbatch:,} over context parallel degree {self.parallel_dims.cp}, "
+                f"activation_checkpoint.mode = {c.activation_checkpoint.mode}) = {size(need)}, more "
+                f"than the {size(available)} this machine has available; recompute "
+                "(--activation_checkpoint.mode full), lower training.tokens_per_microbatch or raise "
+                "parallelism.context_parallel_degree"
+            )
+        message = dist_utils.broadcast_object(message)
+        if message:
+            raise ValueError(message)
 
     def close(self) -> None:
         """Flush the metrics and restore the signal handlers (the process group stays up: main() ends it)."""
@@ -477,6 +506,7 @@ class Trainer:
             muon = matrix_params(self.model) if c.optimizer.name == "muon" else ()
             other = estimate_memory_per_rank(self.model, d, c.optimizer.name, precision, muon).total_bytes
             stage_lines = [activations.summary(acts, tokens, other)]
+            self.rank_bytes_estimate = int(sum(acts.stage(list(acts.kept.layers), first=True, last=True)) + other)
         for line in header_lines(
             c,
             dims=d,

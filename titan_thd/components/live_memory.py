@@ -14,6 +14,7 @@ memory estimate of the log header (pipeline/activations.py) is checked against i
 
 from __future__ import annotations
 
+import os
 import resource
 import sys
 from collections.abc import Iterable
@@ -63,3 +64,16 @@ def max_rss_bytes() -> int:
     libraries), the figure a CPU run reports per rank at its end."""
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss if sys.platform == "darwin" else rss * 1024  # Linux counts KiB
+
+
+def available_host_bytes() -> int:
+    """What the kernel can give this host's processes without swapping: MemAvailable (free pages
+    plus the reclaimable page cache); the free pages where /proc/meminfo is missing."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

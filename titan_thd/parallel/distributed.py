@@ -180,6 +180,15 @@ def broadcast_object(obj: Any) -> Any:
     return holder[0]
 
 
+def all_gather_object(obj: Any) -> list[Any]:
+    """Every rank's `obj`, in rank order, on every rank of the default group ([obj] when alone or fake)."""
+    if world_size() == 1 or is_fake():
+        return [obj]
+    gathered: list[Any] = [None] * world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
 def _reduce(x: Number, mesh: DeviceMesh | None, op: dist.ReduceOp) -> Number:
     if mesh is None or mesh.size() == 1:
         return x
