@@ -506,7 +506,9 @@ class Trainer:
             muon = matrix_params(self.model) if c.optimizer.name == "muon" else ()
             other = estimate_memory_per_rank(self.model, d, c.optimizer.name, precision, muon).total_bytes
             stage_lines = [activations.summary(acts, tokens, other)]
-            self.rank_bytes_estimate = int(sum(acts.stage(list(acts.kept.layers), first=True, last=True)) + other)
+            self.rank_bytes_estimate = int(
+                sum(acts.stage(list(acts.kept.layers), first=True, last=True)) + other
+            )
         for line in header_lines(
             c,
             dims=d,
