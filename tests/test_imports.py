@@ -11,8 +11,8 @@ What does not count:
   transformers): they are outside the graph;
 - `importlib.import_module(...)` of a computed name (the model registry): not an import statement.
 Package level: every module maps to its unit, `titan_thd.<subpackage>` (data, models, ops,
-parallel, components; nested packages collapse into their top-level one) or the top-level module
-itself (`titan_thd.config`, `titan_thd.train`, `titan_thd`); edges inside a unit are dropped.
+parallel, components, config; nested packages collapse into their top-level one) or the top-level
+module itself (`titan_thd.train`, `titan_thd`); edges inside a unit are dropped.
 """
 
 from __future__ import annotations
