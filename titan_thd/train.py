@@ -375,8 +375,9 @@ class Trainer:
             return
         message = ""
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        need, available = self.rank_bytes_estimate * local, available_host_bytes()
-        if self.dist.is_main and need > available:
+        need = self.rank_bytes_estimate * local  # 0 off rank 0 (only it builds the header)
+        available = available_host_bytes() if self.dist.is_main else need
+        if need > available:
             c = self.cfg
             message = (
                 f"memory: {local} rank(s) on this host x {size(self.rank_bytes_estimate)} estimated "

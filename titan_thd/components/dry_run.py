@@ -9,10 +9,10 @@ compute for more than 5 minutes; the meshes, sharding, optimizer and memory line
 from __future__ import annotations
 
 import logging
-import os
 
 from torch import nn
 
+from titan_thd.components.live_memory import available_host_bytes
 from titan_thd.parallel.fsdp import largest_unsharded_unit_bytes
 
 logger = logging.getLogger("titan_thd")
@@ -34,7 +34,7 @@ def fake_step_fits(
     unit = largest_unsharded_unit_bytes(model)
     logger.info("dry run: largest unsharded FSDP unit %.2f GiB (one all-gather)", unit / 2**30)
     need = 3 * unit + activation_bytes  # the unit's params, grads, workspace; the activations
-    free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    free = available_host_bytes()
     if need > free:
         logger.warning(
             "dry run: meshes, sharding and optimizer built; the step is skipped because one FSDP unit "
