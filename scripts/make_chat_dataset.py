@@ -21,6 +21,8 @@ the same bytes.
     python scripts/make_chat_dataset.py            # (re)write the asset, print the length table
     python scripts/make_chat_dataset.py --check    # regenerate in memory, compare, verify answers
     python scripts/make_chat_dataset.py --heldout [--check]   # the same for the held-out set
+    python scripts/make_chat_dataset.py --num 100000 --exclude-heldout --output DIR/chat100k.jsonl.gz
+        # a larger training set (its first 4,000 are the shipped ones), disjoint from the held-out set
 """
 
 from __future__ import annotations
@@ -256,17 +258,29 @@ def generate(seed: int = SEED, n: int = NUM_CONVERSATIONS) -> list[list[dict]]:
     return [conversation(rng) for _ in range(n)]
 
 
+def _questions(c: list[dict]) -> list[str]:
+    """The questions a conversation asks (follow-ups excepted: their answer depends on the one before)."""
+    return [m["content"] for m in c if m["role"] == "user" and not m["content"].startswith("Now ")]
+
+
 def heldout(seed: int = HELDOUT_SEED, n: int = NUM_HELDOUT) -> list[list[dict]]:
     """`n` conversations of the generator under `seed`, none asking a question of the training set."""
-    trained = {m["content"] for c in generate() for m in c if m["role"] == "user"}
+    trained = {q for c in generate() for q in _questions(c)}
     rng = random.Random(seed)
     out: list[list[dict]] = []
     while len(out) < n:
         c = conversation(rng)
-        asked = [m["content"] for m in c if m["role"] == "user" and not m["content"].startswith("Now ")]
-        if not any(q in trained for q in asked):
+        if not any(q in trained for q in _questions(c)):
             out.append(c)
     return out
+
+
+def without_heldout_questions(conversations: list[list[dict]]) -> list[list[dict]]:
+    """A training set larger than the shipped one, less every conversation asking a held-out question
+    (the shipped set is a prefix of `generate(SEED, n)` and needs no filter: the held-out set avoids it)."""
+    with gzip.open(HELDOUT_OUTPUT, "rt") as f:
+        held = {q for line in f for q in _questions(json.loads(line)["messages"])}
+    return [c for c in conversations if not any(q in held for q in _questions(c))]
 
 
 def serialise(conversations: list[list[dict]]) -> bytes:
@@ -302,12 +316,23 @@ def main() -> int:
         "--num", type=int, default=None, help=f"default {NUM_CONVERSATIONS} ({NUM_HELDOUT} with --heldout)"
     )
     ap.add_argument("--output", type=Path, default=None, help="default: the shipped asset")
+    ap.add_argument(
+        "--exclude-heldout",
+        action="store_true",
+        help="drop conversations that ask a question of the held-out set (for a larger --num training set)",
+    )
     args = ap.parse_args()
+    if args.exclude_heldout and (args.heldout or args.output is None):
+        ap.error("--exclude-heldout makes a training set of your own: give --output, not --heldout")
     if args.heldout:
         conversations = heldout(args.seed or HELDOUT_SEED, args.num or NUM_HELDOUT)
         args.output = args.output or HELDOUT_OUTPUT
     else:
         conversations = generate(args.seed or SEED, args.num or NUM_CONVERSATIONS)
+        if args.exclude_heldout:
+            n = len(conversations)
+            conversations = without_heldout_questions(conversations)
+            print(f"dropped {n - len(conversations)} of {n} conversations asking a held-out question")
         args.output = args.output or OUTPUT
     data = serialise(conversations)
     bad = [(i, e) for i, c in enumerate(conversations) for e in check_conversation(c)]

@@ -93,3 +93,18 @@ def test_length_distribution_through_the_token_store(gen, shipped):
         s = store[i]
         targets = tok.decode(s.input_ids[s.target_mask])
         assert targets.endswith(".<|end|>") and "The answer is" in targets
+
+
+def test_a_larger_training_set_keeps_the_shipped_prefix_and_avoids_the_held_out_questions(gen, shipped):
+    """`--num N --exclude-heldout`: the shipped 4,000 are its prefix (the held-out set already avoids
+    them), and every later conversation asking a held-out question is dropped."""
+    with gzip.open(ASSETS_DIR / "chat_heldout.jsonl.gz", "rt") as f:
+        held = {q for line in f for q in gen._questions(json.loads(line)["messages"])}
+    n = len(shipped) + 3000
+    larger = gen.generate(gen.SEED, n)
+    kept = gen.without_heldout_questions(larger)
+    assert kept[: len(shipped)] == shipped
+    assert not any(q in held for c in kept for q in gen._questions(c))
+    kept_ids = {id(c) for c in kept}
+    dropped = [c for c in larger if id(c) not in kept_ids]
+    assert dropped and all(any(q in held for q in gen._questions(c)) for c in dropped)
