@@ -22,6 +22,15 @@ table gives median step times and the median of the per-pair ratios (a shared ma
 both alike), in wall time and in process CPU time (with `--threads 1` the work itself, whatever
 other jobs time-slice the cores). `outside ops` is the step time minus the time of the top-level aten ops of one
 profiled step: the framework's own Python per step.
+
+`--docs N` replaces the rows by N documents of lognormal lengths (`--mean-len`, at most
+`--microbatch-tokens`), the workload the project is for. Both sides see every document whole, with
+attention inside it only, and take one optimizer step on the mean loss over every real token,
+accumulated over microbatches of at most `--microbatch-tokens` tokens: titan_thd packs the
+documents (first fit, in their order) into THD microbatches with no padding; torchtitan, which needs
+[B, L] rows for exact per-document attention on a CPU, gets its best padded batching: documents
+sorted by length, each microbatch B documents padded to its longest, B x L <= the same budget
+(padding rows are labelled -100). The table gives both sides' real and padded token counts.
 """
 
 from __future__ import annotations
@@ -91,7 +100,7 @@ def steps(side: str, model, tokens_BL: torch.Tensor):
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-            return float(loss)
+            return float(loss.detach())
 
         return step
     cu = torch.arange(B + 1, dtype=torch.int32) * L
@@ -104,8 +113,102 @@ def steps(side: str, model, tokens_BL: torch.Tensor):
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return float(loss)
+        return float(loss.detach())
 
+    return step
+
+
+def make_docs(n: int, mean_len: int, max_len: int, seed: int = 0) -> list[torch.Tensor]:
+    """n documents of lognormal lengths (sigma 1, median mean_len / e^0.5), 16 to max_len tokens."""
+    g = torch.Generator().manual_seed(seed)
+    mu = torch.log(torch.tensor(float(mean_len))) - 0.5
+    lengths = (torch.randn(n, generator=g) + mu).exp().round().clamp(16, max_len).long()
+    return [torch.randint(0, DIMS["vocab_size"], (int(L),), generator=g) for L in lengths]
+
+
+def doc_labels(doc: torch.Tensor) -> torch.Tensor:
+    return torch.cat([doc[1:], torch.full((1,), -100)])
+
+
+def first_fit(docs: list[torch.Tensor], budget: int) -> list[list[torch.Tensor]]:
+    """titan_thd's microbatches: documents in their order, each into the first one it fits."""
+    bins: list[list[torch.Tensor]] = []
+    room: list[int] = []
+    for d in docs:
+        i = next((i for i, r in enumerate(room) if r >= d.numel()), None)
+        if i is None:
+            bins.append([])
+            room.append(budget)
+            i = len(bins) - 1
+        bins[i].append(d)
+        room[i] -= d.numel()
+    return bins
+
+
+def length_buckets(docs: list[torch.Tensor], budget: int) -> list[list[torch.Tensor]]:
+    """torchtitan's microbatches: sorted by length, B documents padded to the longest, B x L <= budget."""
+    out: list[list[torch.Tensor]] = []
+    for d in sorted(docs, key=lambda d: -d.numel()):
+        if out and (len(out[-1]) + 1) * out[-1][0].numel() <= budget:
+            out[-1].append(d)
+        else:
+            out.append([d])
+    return out
+
+
+def at_least_fp32(logits: torch.Tensor) -> torch.Tensor:
+    return logits.to(torch.promote_types(logits.dtype, torch.float32))
+
+
+def doc_steps(side: str, model, docs: list[torch.Tensor], budget: int):
+    """One step over every document (gradient accumulation), mean loss over all real tokens."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+    n_real = sum(d.numel() - 1 for d in docs)
+    if side == "torchtitan":
+        batches = []
+        for group in length_buckets(docs, budget):
+            L = group[0].numel()
+            tok = torch.zeros(len(group), L, dtype=torch.long)
+            lab = torch.full((len(group), L), -100)
+            for b, d in enumerate(group):
+                tok[b, : d.numel()] = d
+                lab[b, : d.numel()] = doc_labels(d)
+            batches.append((tok, lab, torch.arange(L).repeat(len(group), 1)))
+
+        def fwd_bwd(tok, lab, pos) -> float:
+            logits = model(tok, pos, None)
+            loss = F.cross_entropy(
+                at_least_fp32(logits.flatten(0, 1)), lab.flatten(), ignore_index=-100, reduction="sum"
+            )
+            (loss / n_real).backward()
+            return float(loss.detach())
+
+    else:
+        batches = []
+        for group in first_fit(docs, budget):
+            lengths = torch.tensor([d.numel() for d in group])
+            cu = torch.cat([torch.zeros(1, dtype=torch.int32), lengths.cumsum(0).int()])
+            pos = torch.cat([torch.arange(int(L)) for L in lengths])
+            batches.append(
+                (torch.cat(group), torch.cat([doc_labels(d) for d in group]), cu, int(lengths.max()), pos)
+            )
+
+        def fwd_bwd(tok, lab, cu, max_len, pos) -> float:
+            meta = BatchMeta(cu, cu, max_len, cu.numel() - 1, pos, None)
+            logits = model(tok, meta).logits
+            loss = F.cross_entropy(at_least_fp32(logits), lab, ignore_index=-100, reduction="sum")
+            (loss / n_real).backward()
+            return float(loss.detach())
+
+    rows = sum(b[0].numel() for b in batches)
+
+    def step() -> float:
+        total = sum(fwd_bwd(*b) for b in batches)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return total / n_real
+
+    step.shape = {"microbatches": len(batches), "tokens_computed": rows, "real_tokens": n_real + len(docs)}
     return step
 
 
@@ -115,7 +218,18 @@ def outside_ops_s(step) -> float:
         t0 = time.perf_counter()
         step()
         wall = time.perf_counter() - t0
-    top = [e for e in prof.events() if e.cpu_parent is None and e.name.startswith("aten::")]
+
+    def outermost(e) -> bool:  # an aten op not inside another (the backward's sit under autograd nodes)
+        p = e.cpu_parent
+        while p is not None:
+            if p.name.startswith("aten::"):
+                return False
+            p = p.cpu_parent
+        return True
+
+    events = prof.events()
+    top = [e for e in events if e.name.startswith("aten::") and outermost(e)]
+    # The backward runs on autograd's own thread: its ops' time adds to the step's, not beside it.
     return max(0.0, wall - sum(e.cpu_time_total for e in top) / 1e6)
 
 
@@ -134,6 +248,9 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seqs", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--docs", type=int, default=0, help="N variable-length documents instead of the rows")
+    p.add_argument("--mean-len", type=int, default=300, help="--docs: mean document length")
+    p.add_argument("--microbatch-tokens", type=int, default=2048, help="--docs: tokens per microbatch")
     p.add_argument("--json", default="")
     opts = p.parse_args()
     try:
@@ -145,6 +262,7 @@ def main() -> int:
     tokens = torch.randint(
         0, DIMS["vocab_size"], (opts.seqs, opts.seq_len), generator=torch.Generator().manual_seed(0)
     )
+    docs = make_docs(opts.docs, opts.mean_len, opts.microbatch_tokens) if opts.docs else []
     rows = []
     for dtype_name in opts.dtype.split(","):
         dtype = getattr(torch, dtype_name)
@@ -155,7 +273,10 @@ def main() -> int:
                 "torchtitan": build_torchtitan(dtype, compile_),
             }
             params = {k: sum(q.numel() for q in m.parameters()) for k, m in sides.items()}
-            fns = {k: steps(k, m, tokens) for k, m in sides.items()}
+            if docs:
+                fns = {k: doc_steps(k, m, docs, opts.microbatch_tokens) for k, m in sides.items()}
+            else:
+                fns = {k: steps(k, m, tokens) for k, m in sides.items()}
             first = {}
             for k, fn in fns.items():  # warm-up (the compile, when compiled)
                 t0 = time.perf_counter()
@@ -187,11 +308,17 @@ def main() -> int:
                 "median_step_cpu_s": {k: statistics.median(v) for k, v in cpu.items()},
                 "cpu_speedup": statistics.median(cpu_ratios),
                 "cpu_speedup_range": [min(cpu_ratios), max(cpu_ratios)],
+                "shape": {k: getattr(fn, "shape", None) for k, fn in fns.items()},
             }
             rows.append(row)
+    work = (
+        f"{opts.docs} documents (mean {opts.mean_len} tokens) per step in microbatches of <= "
+        f"{opts.microbatch_tokens} tokens"
+        if docs
+        else f"{opts.seqs} x {opts.seq_len} tokens per step"
+    )
     print(
-        f"titan_thd llama vs torchtitan {torchtitan.__version__} llama3 debugmodel; {opts.seqs} x {opts.seq_len} "
-        f"tokens per step, {opts.threads} threads, CPU {cpu_name()!r}, torch {torch.__version__}; "
+        f"titan_thd llama vs torchtitan {torchtitan.__version__} llama3 debugmodel; {work}, {opts.threads} threads, CPU {cpu_name()!r}, torch {torch.__version__}; "
         f"median of {opts.pairs} alternating pairs"
     )
     for r in rows:
@@ -205,6 +332,21 @@ def main() -> int:
             f"{r['params']['titan_thd']:,} / {r['params']['torchtitan']:,}; first step "
             f"{r['first_step_s']['titan_thd']:.1f} / {r['first_step_s']['torchtitan']:.1f} s"
         )
+        if docs:
+            sh = r["shape"]
+            print(
+                "           tokens computed per step (real {real}): titan_thd {a:,} in {na} packed microbatches, "
+                "torchtitan {b:,} in {nb} padded ones ({pad:.1f} % padding); last losses {la:.6f} / {lb:.6f}".format(
+                    real=sh["titan_thd"]["real_tokens"],
+                    a=sh["titan_thd"]["tokens_computed"],
+                    na=sh["titan_thd"]["microbatches"],
+                    b=sh["torchtitan"]["tokens_computed"],
+                    nb=sh["torchtitan"]["microbatches"],
+                    pad=100 * (1 - sh["torchtitan"]["real_tokens"] / sh["torchtitan"]["tokens_computed"]),
+                    la=r["last_loss"]["titan_thd"],
+                    lb=r["last_loss"]["torchtitan"],
+                )
+            )
     if opts.json:
         report = {
             "cpu": cpu_name(),
