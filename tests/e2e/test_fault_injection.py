@@ -26,6 +26,7 @@ _spec = importlib.util.spec_from_file_location("fault_injection", ROOT / "script
 FI = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = FI  # its dataclasses look their module up there
 _spec.loader.exec_module(FI)
+FH = importlib.import_module("fault_harness")  # its runs and processes (on sys.path once FI is loaded)
 
 CASES = {  # the damage kinds, full disks and the dsv4 recipe: component tests and the script
     "dense": ["--cases", "mixed,nan"],
@@ -68,13 +69,13 @@ def test_a_rank_dies_with_its_launcher():
         text=True,
     )
     pid = int(proc.stdout.readline())
-    assert FI.running(pid)
+    assert FH.running(pid)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     deadline = time.monotonic() + 10
-    while FI.running(pid) and time.monotonic() < deadline:
+    while FH.running(pid) and time.monotonic() < deadline:
         time.sleep(0.01)
-    alive = FI.running(pid)
+    alive = FH.running(pid)
     if alive:
         os.kill(pid, signal.SIGKILL)
     assert not alive
