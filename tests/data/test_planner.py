@@ -9,7 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from titan_thd.data.planner import _subset_near, make_plan, plan_balanced, plan_dp_balanced, sample_costs
+from titan_thd.data.balanced_planner import _subset_near
+from titan_thd.data.planner import make_plan, plan_balanced, plan_dp_balanced, sample_costs
 
 ROOT = Path(__file__).resolve().parents[2]
 
