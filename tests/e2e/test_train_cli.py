@@ -10,6 +10,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -104,13 +105,20 @@ def start(args: list[str], ngpu: str, **env: str) -> subprocess.Popen:
     )
 
 
-def read_until(proc: subprocess.Popen, pattern: str, lines: list[str]) -> None:
-    """Read `proc`'s output into `lines` up to a line that matches `pattern`."""
-    for line in proc.stdout:
-        lines.append(line)
-        if re.search(pattern, line):
-            return
-    raise AssertionError(f"no line matching {pattern!r}:\n" + "".join(lines)[-3000:])
+def read_until(proc: subprocess.Popen, pattern: str, lines: list[str], timeout: float = 240) -> None:
+    """Read `proc`'s output into `lines` up to a line that matches `pattern`. A run that never prints
+    it is killed (its whole session) after `timeout` s, so the test fails with the output instead of
+    blocking the suite until pytest's own timeout."""
+    watchdog = threading.Timer(timeout, lambda: proc.poll() is None and os.killpg(proc.pid, signal.SIGKILL))
+    watchdog.start()
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if re.search(pattern, line):
+                return
+    finally:
+        watchdog.cancel()
+    raise AssertionError(f"no line matching {pattern!r} within {timeout:.0f} s:\n" + "".join(lines)[-3000:])
 
 
 @pytest.mark.slow
