@@ -7,12 +7,12 @@ same layout without recomputation the losses, auxiliary losses, gradient norms a
 of every step and the router biases at the end are bitwise equal (the recomputation runs the same
 ops on the same inputs, and every decision is replayed); against one process without recomputation
 rel <= 1e-12 (the layouts' own tolerance, tests/test_train_layouts.py). Under EP the experts'
-counts all-to-all runs once per MoE layer and microbatch, never in a recomputation. The runs of one
-default suite runs two layouts in one launch of 4 processes (dsv4 `full` under CP 2 x EP 2, which
-replays the CP halo, the entry all-gather and the EP all-to-alls in lockstep; Interleaved1F1B with
-every dsv4 region), `extended` the rest (llama's TP redistributions replayed under `full` among
-them), one launch per model and layout; tests/models/test_recompute.py covers every mode of both models on one
-process.
+counts all-to-all runs once per MoE layer and microbatch, never in a recomputation. The default
+suite runs one layout, in one launch of 4 processes: dsv4 `full` under CP 2 x EP 2, which replays the
+CP halo, the entry all-gather and the EP all-to-alls in lockstep (collectives inside a
+recomputation). `extended` runs the rest, one launch per model and layout (Interleaved1F1B with
+every dsv4 region, llama's TP redistributions replayed under `full`); tests/models/test_recompute.py
+covers every mode of both models on one process.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def modes(model: str) -> dict[str, list[str]]:
     }
 
 
-DEFAULT = [("dsv4", "cp2 ep2", "full"), ("dsv4", "pp2 interleaved", "all")]
+DEFAULT = [("dsv4", "cp2 ep2", "full")]
 """(model, layout, mode) runs of the default suite (each with its layout's run without recomputation)."""
 
 
