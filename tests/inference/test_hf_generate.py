@@ -10,7 +10,9 @@ tokenizer and the special-token ids that make `generate` stop at the end of a tu
   luck of this CPU's rounding. Indexer top-k: transformers' topk breaks exact score ties
   arbitrarily, ours by the lower entry; an exact tie needs every head's ReLU to be 0 (probability
   2^-32 per entry with 32 heads), so both select the same entries.
-- llama through LlamaForCausalLM: logits within 1e-5 of each document alone (float32), the same greedy
+- llama through LlamaForCausalLM: logits within 1e-6 of their largest magnitude of each document alone
+  (float32: the x10 head puts logits near 39, where one ulp is 3.8e-6; the two sides' differently ordered
+  float32 sums measured 9.5e-6 on an AMD EPYC and 1.14e-5 on an Intel Xeon, 2-3 ulps), the same greedy
   tokens, and the weights back unchanged by load_hf.
 """
 
@@ -124,8 +126,9 @@ def test_llama_exports_to_llama_for_causal_lm(tmp_path):
             (ours[a:b] - hf(torch.tensor([p])).logits[0]).abs().max().item()
             for p, a, b in zip(ps, starts[:-1], starts[1:], strict=True)
         )
-    print(f"llama vs LlamaForCausalLM: max abs logits difference {err:.1e}")
-    assert err <= 1e-5
+    scale = ours.abs().max().item()
+    print(f"llama vs LlamaForCausalLM: max abs logits difference {err:.1e} at logits up to {scale:.1f}")
+    assert err <= 1e-6 * scale
     for p, c in zip(ps, generate(model, ps, max_new_tokens=NEW, stop_ids=set(), vocab_size=320), strict=True):
         assert hf_greedy(hf, p) == c.tokens
         check_no_near_tie(model, hf, p, c.tokens)
