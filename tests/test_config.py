@@ -50,6 +50,9 @@ def test_cli_value_forms():
     assert cfg.optimizer.lr == 2e-4 and cfg.training.steps == 1000
     assert cfg.job.description == "--not-a-flag"
     assert cfg.data.mock_config == {"mode": "file", "path": "x.csv"}
+    assert load_config([]).training.compile == "auto"  # bool | Literal["auto"]: either arm
+    assert load_config(["--training.compile", "True"]).training.compile is True
+    assert load_config(["--training.compile", "auto"]).training.compile == "auto"
     toml_table = load_config(["--data.mock_config", '{mode = "file", path = "y.csv"}'])
     assert toml_table.data.mock_config == {"mode": "file", "path": "y.csv"}
 
@@ -62,6 +65,10 @@ def test_cli_value_forms():
         (["--training", "3"], r"unknown config section 'training'"),
         (["--checkpoint.enable", "yes"], r"checkpoint.enable: got 'yes', expected true or false"),
         (["--training.steps", "1.5"], r"training.steps: got '1.5', expected an integer"),
+        (
+            ["--training.compile", "yes"],
+            r"training.compile: got 'yes', expected true or false, or one of auto",
+        ),
         (["--optimizer.lr", "fast"], r"optimizer.lr: got 'fast', expected a number"),
         (["--data.mock_config", "[1, 2]"], r"data.mock_config: got '\[1, 2\]', expected a table"),
         (["--training.steps"], r"--training.steps needs a value"),
@@ -82,6 +89,7 @@ def test_cli_errors(argv, message):
         ("[training]\nsteps = 10.0\n", r"training.steps: got 10.0, expected an integer"),
         ("[training]\nmax_norm = true\n", r"training.max_norm: got True, expected a number"),
         ("[checkpoint]\nenable = 'true'\n", r"checkpoint.enable: got 'true', expected true or false"),
+        ("[training]\ncompile = 1\n", r"training.compile: got 1, expected true or false, or one of auto"),
         ("[model]\nname = 3\n", r"model.name: got 3, expected one of llama, dsv4"),
         (
             "[optimiser]\nlr = 1.0\n",

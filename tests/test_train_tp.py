@@ -18,6 +18,7 @@ layout against the same config on one process:
   choice flips and the worst values (printed) are ~6e-7 (AVX2 EPYC), a flip would fail the test;
 - DCP resume across TP degrees: a one-process checkpoint of step 3 continues on TP2, a TP2
   checkpoint of step 3 continues on one process; steps 4-5 equal the straight run (float64);
+- training.compile (dsv4, float64) under TP2 equals eager on one process, rel <= 1e-12;
 - zero cross-document leakage under TP2 x CP2: the gradient of one document's logits reaches
   the embedding output of that document's rows only (exactly zero elsewhere).
 """
@@ -115,6 +116,7 @@ def _tp2_runs(rank: int, world: int, base: Path) -> None:
             dump = base / "tp2" / f"{model}-{variant}"
             run(checkpointed(dump, model, variant) if variant == RESUME else args(dump, model, variant))
         run(args(base / "from-tp1" / model, model, RESUME, STEPS, "--checkpoint.enable", "true"))
+    run(args(base / "tp2-compiled" / "dsv4", "dsv4", "f64-adamw", STEPS, "--training.compile", "true"))
 
 
 def _world4_runs(rank: int, world: int, base: Path) -> dict[str, list[int]]:
@@ -224,6 +226,15 @@ def test_tp_layouts_match_one_process(runs, model, layout):
         got = records(base / layout / f"{model}-{variant}")
         assert len(ref) == STEPS
         _compare(ref, got, rel, f"{model} {layout} {variant}")
+
+
+@pytest.mark.slow
+def test_compiled_dsv4_under_tp2_matches_one_eager_process(runs):
+    """training.compile under TP (dsv4's MTP feeds a vocabulary-parallel embedding into a compiled
+    norm: tests/models/test_compile.py's regression) equals eager on one process, float64."""
+    base, _ = runs
+    ref = records(base / "one" / "dsv4-f64-adamw")
+    _compare(ref, records(base / "tp2-compiled" / "dsv4"), 1e-12, "dsv4 tp2 compiled f64-adamw")
 
 
 @pytest.mark.slow

@@ -22,7 +22,6 @@ import dataclasses
 import json
 import logging
 import os
-import shutil
 import typing
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -38,6 +37,7 @@ from titan_thd.data.rows import RowRule, row_rule
 from titan_thd.data.stores import build_stores, check_validation_path
 from titan_thd.data.tokenizer import Tokenizer, build_tokenizer
 from titan_thd.models import get_model_args, get_model_spec
+from titan_thd.models.compile import CompileDecision, has_cpp_compiler, resolve_compile
 from titan_thd.models.spec import ModelSpec
 from titan_thd.parallel.activation_checkpoint import validate_activation_checkpoint
 from titan_thd.parallel.context_parallel import CPMode, resolve_mode, validate_context_parallel
@@ -108,6 +108,8 @@ class Inputs(NamedTuple):
     """Each pipeline stage's layer ids (None without pipeline parallelism)."""
     precision: Precision
     """Master, compute and reduction dtypes on this machine (training.mixed_precision_param = auto resolved)."""
+    compile: CompileDecision
+    """training.compile on this machine for this run (`auto` resolved)."""
 
 
 def check_inputs(cfg: Config, world_size: int) -> Inputs:
@@ -137,7 +139,7 @@ def check_inputs(cfg: Config, world_size: int) -> Inputs:
         cfg.model.flavor = spec.default_flavor or next(iter(spec.flavors))
     flavor_args = get_model_args(cfg.model.name, cfg.model.flavor)
     label = model_label(cfg)
-    if t.compile and not torch.cuda.is_available() and not any(map(shutil.which, ("g++", "c++", "clang++"))):
+    if t.compile is True and not torch.cuda.is_available() and not has_cpp_compiler():
         raise ValueError(
             "training.compile = true: torch.compile's CPU backend builds C++ kernels, and no C++ compiler "
             "(g++, c++ or clang++) is on PATH; install one or set training.compile = false"
@@ -217,7 +219,10 @@ def check_inputs(cfg: Config, world_size: int) -> Inputs:
     precision = resolve_precision(
         t.dtype, t.mixed_precision_param, t.mixed_precision_reduce, hardware.detect(device)
     )
-    return Inputs(spec, tokenizer, model_args, dims, stages, precision)
+    payback = spec.compile_payback_steps if spec.compile is not None else 0
+    compile_choice = resolve_compile(t.compile, cfg.model.name, payback, t.steps, device.type)
+    t.compile = compile_choice.on  # resolved here, like the flavor: what builds the model reads a bool
+    return Inputs(spec, tokenizer, model_args, dims, stages, precision, compile_choice)
 
 
 def validate_combinations(cfg: Config, spec: ModelSpec, model_args: Any) -> None:
@@ -235,7 +240,7 @@ def validate_combinations(cfg: Config, spec: ModelSpec, model_args: Any) -> None
             f"activation_checkpoint.mode = {cfg.activation_checkpoint.mode!r}: model {cfg.model.name} has no "
             'parallelize (which applies the recomputation); set mode = "none"'
         )
-    if cfg.training.compile and spec.compile is None:
+    if cfg.training.compile is True and spec.compile is None:
         raise ValueError(
             f"training.compile = true: model {cfg.model.name} has no compile hook; set it to false"
         )

@@ -97,3 +97,41 @@ def test_compiled_llama_equals_eager_float64():
     assert comp.layers["0"].feed_forward.act is compiled(llama_model.swiglu)
     tokens, batch = packed([13, 30, 9], vocab=args.vocab_size, pad_to=4, tail=4, seed=3)
     _assert_close(_loss_and_grads(eager, tokens, batch), _loss_and_grads(comp, tokens, batch))
+
+
+def _vocab_parallel_embedding_into_compiled_norm(rank, world_size):
+    """Rank's embedding gradient with a compiled / eager norm on a vocabulary-parallel embedding's
+    output (what dsv4's MTP does under TP: an AsyncCollectiveTensor reaches `compiled`)."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
+
+    from titan_thd.models.dsv4.norm import weighted_rms_norm_formula
+
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (world_size,))
+    torch.manual_seed(0)
+    embed = torch.nn.Embedding(16, 8, dtype=torch.float64)
+    parallelize_module(embed, mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0)))
+    weight = torch.linspace(0.5, 1.5, 8, dtype=torch.float64)
+    grads = []
+    for fn in (weighted_rms_norm_formula, compiled(weighted_rms_norm_formula)):
+        embed.weight.grad = None
+        x = embed(torch.arange(12) % 16)
+        assert isinstance(x, AsyncCollectiveTensor)  # the case under test
+        y = fn(x, weight, 1e-6)
+        (y * torch.arange(y.numel(), dtype=torch.float64).view_as(y)).sum().backward()
+        grads.append(embed.weight.grad.to_local().clone())
+    return grads
+
+
+def test_compiled_function_takes_a_tensor_parallel_activation():
+    """Regression: torch 2.13's compiled backward of an AsyncCollectiveTensor input returned a plain
+    gradient to a DTensor redistribute ('Tensor' object has no attribute '_local_tensor'), so dsv4
+    could not train with training.compile under tensor parallelism."""
+    from tests._dist import spawn
+
+    for eager, comp in spawn(_vocab_parallel_embedding_into_compiled_norm, 2):
+        assert eager.abs().max() > 0
+        torch.testing.assert_close(comp, eager, rtol=0, atol=REL * float(eager.abs().max()))

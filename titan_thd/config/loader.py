@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import sys
+import types
 import typing
 from dataclasses import fields
 from pathlib import Path
@@ -65,6 +66,17 @@ def coerce(key: str, value: Any, typ: Any, from_cli: bool) -> Any:
             except ValueError:
                 pass
         raise bad("a number")
+    if typing.get_origin(typ) in (
+        typing.Union,
+        types.UnionType,
+    ):  # bool | Literal["auto"]: the first arm that takes it
+        expected = []
+        for arm in typing.get_args(typ):
+            try:
+                return coerce(key, value, arm, from_cli)
+            except ValueError as e:
+                expected.append(str(e).partition(", expected ")[2])
+        raise bad(", or ".join(expected))
     if typing.get_origin(typ) is Literal:
         allowed = typing.get_args(typ)
         if value in allowed:

@@ -145,10 +145,13 @@ class Training:
     `bfloat16` (half the bytes; needs bf16 compute). A pure run reduces in training.dtype."""
     deterministic: bool = False
     """Use deterministic algorithms (for bitwise comparisons)."""
-    compile: bool = False
+    compile: bool | Literal["auto"] = "auto"
     """Regional torch.compile (inductor) of the model's element-wise chains: the dsv4 mHC update,
-    norms and SwiGLU, the llama SwiGLU (docs/dsv4.md §18). The first step pays the compile
-    (tens of seconds on a CPU); the float64 results stay the eager ones up to rounding."""
+    norms and SwiGLU, the llama SwiGLU (docs/dsv4.md §18). The first step pays the compile (tens of
+    seconds on a CPU, logged after it); the float64 results stay the eager ones up to rounding.
+    `true`, `false`, or `auto`: on where it was measured faster and the run is long enough to repay
+    the compile (ModelSpec.compile_payback_steps; a CPU with a C++ compiler), off elsewhere; the log
+    header says which and why."""
 
 
 @dataclass

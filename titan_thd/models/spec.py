@@ -113,6 +113,10 @@ class ModelSpec:
     """(model chunk) -> None: training.compile, regional torch.compile in place of the model's
     element-wise chains (titan_thd/models/compile.py); `parallelize` applies it (before FSDP) when
     training.compile is on. None = that switch is refused at start-up."""
+    compile_payback_steps: int = 0
+    """training.compile = auto compiles (on a CPU with a C++ compiler) from this many training.steps on:
+    the first step's compile time over the steady saving per step measured for this model (0 = never:
+    not measured faster)."""
 
 
 def build_initialised(make: Callable[[], nn.Module]) -> nn.Module:

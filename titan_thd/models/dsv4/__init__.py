@@ -98,6 +98,10 @@ spec = ModelSpec(
     after_optimizer_step=update_router_bias,
     narrow=narrow,
     compile=apply_compile,
+    # 20-30 s of compile on the recipe's first step against 1.03x (the recipe, 2 threads) to
+    # 1.12-1.20x (alternating steps in one process) per step of ~3.5 s on a 2-core EPYC
+    # (docs/dsv4.md §18): it pays back after 50-300 steps.
+    compile_payback_steps=300,
 )
 
 __all__ = [

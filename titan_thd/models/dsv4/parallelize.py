@@ -71,7 +71,7 @@ def parallelize_dsv4(
     """The model (or one pipeline chunk of it) under the layout of `parallel_dims`."""
     apply_tp(model, parallel_dims)
     expert_units = apply_ep(model, parallel_dims)
-    if training.compile:
+    if training.compile is True:  # `auto` is resolved at start-up (inputs.py); unresolved it is off
         apply_compile(model)
     # After the compile: it swaps in the compiled forms of the functions the regions wrap.
     apply_ac(model, activation_checkpoint)

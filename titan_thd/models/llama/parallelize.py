@@ -43,7 +43,7 @@ def parallelize_llama(
 ) -> Llama:
     """The model (or one pipeline chunk of it) under the layout of `parallel_dims`."""
     apply_tp(model, parallel_dims)
-    if training.compile:
+    if training.compile is True:  # `auto` is resolved at start-up (inputs.py); unresolved it is off
         apply_compile(model)
     apply_ac(model, activation_checkpoint)
     apply_fsdp(model, parallel_dims, precision)
