@@ -539,7 +539,7 @@ class Trainer:
             optimizers=self.optimizers.optimizers,
             muon_params=matrix_params(self.model) if c.optimizer.name == "muon" else (),
             precision=precision,
-            compile=self.compile,
+            compile_line=self.compile.describe(),
             loader=self.dataloader,
             validator=self.validator,
             stage_lines=stage_lines,

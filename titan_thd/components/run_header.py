@@ -20,7 +20,6 @@ from titan_thd.components import hardware
 from titan_thd.components.muon import Muon
 from titan_thd.components.precision import Precision, precision_warnings
 from titan_thd.components.run_settings import data_description
-from titan_thd.models.compile import CompileDecision
 from titan_thd.parallel.activation_checkpoint import describe
 from titan_thd.parallel.fsdp import estimate_memory_per_rank
 from titan_thd.parallel.parallel_dims import ParallelDims
@@ -46,7 +45,7 @@ def header_lines(
     optimizers: Sequence[torch.optim.Optimizer],
     muon_params: Sequence[str],
     precision: Precision,
-    compile: CompileDecision,
+    compile_line: str,
     loader: THDDataLoader,
     validator: Validator | None,
     stage_lines: Sequence[str],
@@ -74,7 +73,7 @@ def header_lines(
     )
     hw = hardware.detect(device)
     lines.append(f"hardware: {hw.describe()}{ns}")
-    lines.append(compile.describe())
+    lines.append(compile_line)  # models/compile.py CompileDecision.describe()
     lines += [f"warning: {w}" for w in precision_warnings(precision, hw, fake)]
     ep = f", ep {d.ep} (experts sharded over efsdp {d.efsdp_degree})" if d.ep_enabled else ""
     hsdp = f" (HSDP: {d.dp_replicate} replicas x {d.dp_shard} shards)" if d.hsdp_enabled else ""
