@@ -66,10 +66,8 @@ def coerce(key: str, value: Any, typ: Any, from_cli: bool) -> Any:
             except ValueError:
                 pass
         raise bad("a number")
-    if typing.get_origin(typ) in (
-        typing.Union,
-        types.UnionType,
-    ):  # bool | Literal["auto"]: the first arm that takes it
+    # A union (training.compile: bool | Literal["auto"]): the first arm that takes the value.
+    if typing.get_origin(typ) in (typing.Union, types.UnionType):
         expected = []
         for arm in typing.get_args(typ):
             try:
