@@ -67,7 +67,7 @@ from titan_thd.inputs import (
     hybrid_threshold,
     preflight,
 )
-from titan_thd.models.compile import compile_seconds
+from titan_thd.models.compile import CompileClock
 from titan_thd.models.hf_tokenizer import write_tokenizer
 from titan_thd.models.spec import ModelSpec
 from titan_thd.parallel import distributed as dist_utils
@@ -216,7 +216,7 @@ class Trainer:
             cfg.metrics, cfg.job.dump_folder, enabled=self.dist.is_main, settings=run_settings(cfg)
         )
         self._recent_step_times: collections.deque[float] = collections.deque(maxlen=10)
-        self._compiled_seconds = 0.0  # torch.compile's time so far (_log_compile_time)
+        self.compile_clock = CompileClock()  # the compile seconds of the steps that compiled
         self.timer = StepTimer(self.dist.device)
         self.rank_bytes_estimate = 0  # one rank's memory, params to activations (the header's line)
         if self.dist.is_main:
@@ -320,25 +320,13 @@ class Trainer:
             | val
         )
         self.metrics.log(record, last_step=self.cfg.training.steps)
-        if self.compile.on and self.dist.is_main:
-            self._log_compile_time(step_time)
+        if self.compile.on and self.dist.is_main and (line := self.compile_clock.line(self.step, step_time)):
+            logger.info("%s", line)
         if self.step > self.first_step + 1:  # the first step of a process warms up: not a rate
             self._recent_step_times.append(step_time)
         last = self.cfg.training.steps
         if self.dist.is_main and self.step < last and self.metrics.should_print(self.step, last):
             logger.info("%s", progress_line(self.step, last, self._recent_step_times))
-
-    def _log_compile_time(self, step_time: float) -> None:
-        """The first step's compile time, and any later step's (a recompile: a new shape or dtype)."""
-        total = compile_seconds()
-        spent, self._compiled_seconds = total - self._compiled_seconds, total
-        if self.step == self.first_step + 1 or spent >= 1.0:
-            logger.info(
-                "training.compile: step %d took %.1f s, %.1f s of it compiling (torch.compile's own count)",
-                self.step,
-                step_time,
-                spent,
-            )
 
     def validate(self) -> dict[str, float]:
         """The val/* metrics after this step when it is a validation step, else {} (docs/design.md §3.9)."""

@@ -53,3 +53,17 @@ def test_the_recipes_payback_steps():
     one region was not measured faster, so `auto` never compiles it."""
     assert get_model_spec("dsv4").compile_payback_steps > 40
     assert get_model_spec("llama").compile_payback_steps == 0
+
+
+def test_the_compile_clock_reports_the_first_step_and_recompiles(monkeypatch):
+    seconds = iter([5.0, 32.0, 32.2, 35.2])  # at start-up (earlier compiles in the process), then per step
+    monkeypatch.setattr(compile_mod, "compile_seconds", lambda: next(seconds))
+    clock = compile_mod.CompileClock()
+    assert clock.line(1, 40.0) == (
+        "training.compile: step 1 took 40.0 s, 27.0 s of it compiling (torch.compile's own count)"
+    )
+    assert clock.line(2, 2.0) is None  # 0.2 s: guards, no new graph
+    assert (
+        clock.line(3, 6.5)
+        == "training.compile: step 3 took 6.5 s, 3.0 s of it compiling (torch.compile's own count)"
+    )

@@ -109,3 +109,20 @@ def compile_seconds() -> float:
     from torch._dynamo.utils import calculate_time_spent
 
     return calculate_time_spent().get("total_wall_time", 0.0)
+
+
+class CompileClock:
+    """The log line of a step that compiled: the process's first step, and any later one that spent a
+    second or more compiling (a new shape or dtype: a recompile)."""
+
+    def __init__(self) -> None:
+        self.seconds = compile_seconds()
+        self.first = True
+
+    def line(self, step: int, step_time: float) -> str | None:
+        total = compile_seconds()
+        spent, self.seconds = total - self.seconds, total
+        if not (self.first or spent >= 1.0):
+            return None
+        self.first = False
+        return f"training.compile: step {step} took {step_time:.1f} s, {spent:.1f} s of it compiling (torch.compile's own count)"
