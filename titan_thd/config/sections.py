@@ -19,6 +19,7 @@ from titan_thd.data.planner import Policy
 from titan_thd.data.sources import Schema
 from titan_thd.data.tokenizer import ChatTemplate
 from titan_thd.models import ModelName
+from titan_thd.models.compile import CompileChoice
 from titan_thd.parallel.activation_checkpoint import ACMode
 from titan_thd.parallel.context_parallel import CPConfigMode
 from titan_thd.pipeline import Schedule
@@ -145,7 +146,7 @@ class Training:
     `bfloat16` (half the bytes; needs bf16 compute). A pure run reduces in training.dtype."""
     deterministic: bool = False
     """Use deterministic algorithms (for bitwise comparisons)."""
-    compile: bool | Literal["auto"] = "auto"
+    compile: CompileChoice = "auto"
     """Regional torch.compile (inductor) of the model's element-wise chains: the dsv4 mHC update,
     norms and SwiGLU, the llama SwiGLU (docs/dsv4.md §18). The first step pays the compile (tens of
     seconds on a CPU, logged after it); the float64 results stay the eager ones up to rounding.
