@@ -24,7 +24,7 @@ from tests.models.dsv4._util import build, meta, micro, packed
 from titan_thd.data.packed_batch import IGNORE_INDEX
 from titan_thd.models import get_model_spec
 from titan_thd.models.compile import compiled
-from titan_thd.models.dsv4.mhc import hc_post
+from titan_thd.models.dsv4.mhc import hc_post, hc_post_formula
 from titan_thd.models.dsv4.moe import swiglu
 from titan_thd.models.llama import LlamaArgs, build_llama
 from titan_thd.models.llama import model as llama_model
@@ -66,7 +66,7 @@ def test_compiled_dsv4_equals_eager_float64_over_two_lengths():
     eager, comp = build(args).train(), build(args).train()  # the same seed: the same weights
     get_model_spec("dsv4").compile(comp)
     block = comp.layers["0"]
-    assert block.hc_post is compiled(hc_post) and comp.layers["1"].ffn.experts.act is compiled(swiglu)
+    assert block.hc_post is compiled(hc_post_formula) and comp.layers["1"].ffn.experts.act is compiled(swiglu)
     assert block.ffn.shared_experts.act is compiled(swiglu) and comp.norm.fn is block.attn_norm.fn
     assert eager.layers["0"].hc_post is hc_post  # the eager default is untouched
     batches = [

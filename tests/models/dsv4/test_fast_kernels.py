@@ -18,7 +18,14 @@ import torch
 
 from titan_thd.models.dsv4.args import flavors
 from titan_thd.models.dsv4.indexer import Indexer, indexer_kl
-from titan_thd.models.dsv4.mhc import _mix, mix_formula, sinkhorn, sinkhorn_reference
+from titan_thd.models.dsv4.mhc import (
+    _mix,
+    hc_post,
+    hc_post_formula,
+    mix_formula,
+    sinkhorn,
+    sinkhorn_reference,
+)
 from titan_thd.models.dsv4.norm import (
     rms_norm,
     rms_norm_formula,
@@ -129,6 +136,30 @@ def test_mhc_mix_backward_equals_autograd():
         assert u.abs().max() > 1e-2
         torch.testing.assert_close(u, v, rtol=0, atol=1e-12)
     assert torch.autograd.gradcheck(lambda x, f: _mix(x, f, 1e-6), (h[:3], fn))
+
+
+def test_hc_post_backward_equals_autograd():
+    g = torch.Generator().manual_seed(5)
+    y = torch.randn(23, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    h = torch.randn(23, 4, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    post = torch.rand(23, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    comb = torch.rand(23, 4, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    inputs = (y, h, post, comb)
+    a, b = hc_post(*inputs), hc_post_formula(*inputs)
+    torch.testing.assert_close(a, b, rtol=0, atol=1e-14)
+    out_g = torch.randn(23, 4, 8, generator=g, dtype=torch.float64)
+    ga, gb = torch.autograd.grad((a * out_g).sum(), inputs), torch.autograd.grad((b * out_g).sum(), inputs)
+    for u, v in zip(ga, gb, strict=True):
+        assert u.abs().max() > 1e-2
+        torch.testing.assert_close(u, v, rtol=0, atol=1e-13)
+    assert torch.autograd.gradcheck(hc_post, tuple(x[:3].detach().requires_grad_() for x in inputs))
+    # a bf16 sub-layer output on float32 streams (mixed precision): the gradient comes back in bf16
+    yb = y.detach().bfloat16().requires_grad_()
+    hf, pf, cf = (x.detach().float() for x in (h, post, comb))
+    a, b = hc_post(yb, hf, pf, cf), hc_post_formula(yb, hf, pf, cf)
+    torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    (gy,) = torch.autograd.grad(a.sum(), yb)
+    assert gy.dtype == torch.bfloat16
 
 
 def test_indexer_kl_from_kernel_lse_equals_recomputed():

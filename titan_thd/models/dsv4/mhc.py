@@ -145,8 +145,43 @@ def _collapse(pre_TN: torch.Tensor, h_TND: torch.Tensor) -> torch.Tensor:
 def hc_post(
     y_TD: torch.Tensor, h_TND: torch.Tensor, post_TN: torch.Tensor, comb_TNN: torch.Tensor
 ) -> torch.Tensor:
-    """New streams: post_k * y + sum_j comb[j, k] h_j."""
+    """New streams: post_k * y + sum_j comb[j, k] h_j (backward written out: `_Post`)."""
+    return _Post.apply(y_TD, h_TND, post_TN, comb_TNN)
+
+
+def hc_post_formula(
+    y_TD: torch.Tensor, h_TND: torch.Tensor, post_TN: torch.Tensor, comb_TNN: torch.Tensor
+) -> torch.Tensor:
+    """`hc_post` in plain autograd ops (test reference, and what `training.compile` fuses)."""
     return post_TN[..., None] * y_TD[:, None, :] + torch.einsum("tjk,tjd->tkd", comb_TNN, h_TND)
+
+
+class _Post(torch.autograd.Function):
+    """out = comb^T h + post y per token, the product accumulated into in place. The backward is
+    four per-token products of the [T, N, d] gradient g, read once each:
+        dh = comb g,   dcomb = h g^T,   dpost = g y,   dy = post^T g
+    Autograd through the formula materialises post * y, the product and their sum as separate
+    [T, N, d] tensors and reduces the multiply's gradients in two more passes: 1.4x slower forward
+    + backward at d = 1,024, T = 4,096 (docs/dsv4.md §16)."""
+
+    @staticmethod
+    def forward(ctx, y_TD, h_TND, post_TN, comb_TNN):
+        ctx.save_for_backward(y_TD, h_TND, post_TN, comb_TNN)
+        out_TND = torch.bmm(comb_TNN.transpose(1, 2), h_TND)
+        return out_TND.addcmul_(post_TN[..., None], y_TD[:, None, :])
+
+    @staticmethod
+    def backward(ctx, g_TND):
+        y_TD, h_TND, post_TN, comb_TNN = ctx.saved_tensors
+        g_TND = g_TND.contiguous()
+        y_TD, post_TN = y_TD.to(g_TND.dtype), post_TN.to(g_TND.dtype)  # y may be the sub-layer's bf16
+        need_y, need_h, need_post, need_comb = ctx.needs_input_grad
+        return (
+            torch.bmm(post_TN[:, None, :], g_TND)[:, 0] if need_y else None,
+            torch.bmm(comb_TNN, g_TND) if need_h else None,
+            torch.bmm(g_TND, y_TD[:, :, None])[..., 0] if need_post else None,
+            torch.bmm(h_TND, g_TND.transpose(1, 2)) if need_comb else None,
+        )
 
 
 class HyperHead(nn.Module):

@@ -37,7 +37,7 @@ from torch.distributed.tensor.parallel import (
 from titan_thd.models.compile import compiled
 from titan_thd.models.dsv4.attention import Attention
 from titan_thd.models.dsv4.block import Block
-from titan_thd.models.dsv4.mhc import HyperConnection, HyperHead, hc_post
+from titan_thd.models.dsv4.mhc import HyperConnection, HyperHead, hc_post_formula
 from titan_thd.models.dsv4.model import DSv4Model
 from titan_thd.models.dsv4.moe import Expert, Experts, MoE, swiglu
 from titan_thd.models.dsv4.norm import RMSNorm, rms_norm_formula, weighted_rms_norm_formula
@@ -274,7 +274,7 @@ def apply_compile(model: nn.Module) -> None:
     the model (the compiled functions see plain local tensors), before or after `parallelize_dsv4`."""
     for module in model.modules():
         if isinstance(module, Block):
-            module.hc_post = compiled(hc_post)
+            module.hc_post = compiled(hc_post_formula)  # inductor fuses the plain formula
         elif isinstance(module, RMSNorm):
             module.fn = compiled(weighted_rms_norm_formula)  # inductor fuses the plain formula
         elif isinstance(module, Attention):
