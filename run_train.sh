@@ -13,6 +13,9 @@
 #                   (a dry run of the parallel layout; losses are meaningless)
 #   TITAN_THD_DEBUG=1  show the Python traceback of an input error (without it, a bad config value,
 #                   data file, tokenizer, checkpoint, ... ends with one `error: ...` line, exit code 2)
+#   TITAN_THD_MALLOC=reuse|system  reuse (default): glibc keeps freed memory for the next step
+#                   (MALLOC_MMAP_MAX_=0, MALLOC_TRIM_THRESHOLD_ huge, unless you set them); system:
+#                   glibc's defaults, which hand every freed block over 32 MiB back to the OS
 # Several nodes (run this script once per node, same arguments; scripts/slurm_train.sbatch):
 #   NNODES=N      nodes in the job (default 1)
 #   NODE_RANK=I   this node, 0..NNODES-1 (default 0); node 0 hosts the rendezvous store
@@ -102,12 +105,21 @@ if [[ -z "${RDZV_ENDPOINT:-}" ]]; then
     env_error "NNODES=$NNODES needs RDZV_ENDPOINT=host:port (or MASTER_ADDR), an address of node 0 every node reaches"
   fi
 fi
+TITAN_THD_MALLOC="${TITAN_THD_MALLOC:-reuse}"
+[[ "$TITAN_THD_MALLOC" =~ ^(reuse|system)$ ]] || env_error "TITAN_THD_MALLOC='$TITAN_THD_MALLOC': expected reuse or system"
 [[ "$RDZV_ENDPOINT" =~ ^.+:[0-9]+$ ]] || env_error "RDZV_ENDPOINT='$RDZV_ENDPOINT': expected host:port"
 # Port 0 means "any free port", which only the host itself would know.
 if ((NNODES > 1)) && [[ -z "${COMM_MODE:-}" && "$RDZV_ENDPOINT" =~ :0+$ ]]; then
   env_error "RDZV_ENDPOINT='$RDZV_ENDPOINT': NNODES=$NNODES needs a fixed port that every node knows"
 fi
 
+if [[ "$TITAN_THD_MALLOC" == reuse ]]; then
+  # glibc gives every freed block over 32 MiB back to the OS and the next step faults its pages in
+  # again (zeroed): at d = 1,024 and 4K rows the [T, N, d] mHC streams are 64 MiB each, and those
+  # faults were a third of a CPU training step (docs/dsv4.md §16). Keeping freed memory in the heap
+  # for reuse costs nothing a step does not already peak at.
+  export MALLOC_MMAP_MAX_="${MALLOC_MMAP_MAX_:-0}" MALLOC_TRIM_THRESHOLD_="${MALLOC_TRIM_THRESHOLD_:-1099511627776}"
+fi
 "$ROOT/scripts/setup_env.sh"
 VENV="${TITAN_THD_VENV:-$ROOT/.venv}"
 # Config errors surface here in a fraction of a second, without torchrun's failure report.

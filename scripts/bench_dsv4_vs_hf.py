@@ -81,6 +81,12 @@ DISTS = {
     "short": (300, 0.6, 16, 2048),
     "long": (4000, 0.3, 1024, 8192),
 }
+MALLOC = {
+    # run_train.sh's TITAN_THD_MALLOC: freed blocks stay in the heap instead of going back to the OS
+    # (glibc unmaps every block over 32 MiB and the next step faults its pages in again)
+    "reuse": {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 40)},
+    "system": {},
+}
 SIDES = ("titan_thd", "hf", "before", "compiled")
 MATMUL_OPS = {"aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm", "aten::_grouped_mm", "aten::addbmm"}
 """Matrix-product ops of a profile (the matmul share of a step)."""
@@ -113,6 +119,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--work", choices=("lm", "full"), default="lm", help="lm: equal losses; full: ours adds MTP + KL"
     )
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument(
+        "--malloc",
+        choices=tuple(MALLOC),
+        default="reuse",
+        help="glibc's allocator on every side alike: reuse (run_train.sh's default) or system",
+    )
     p.add_argument(
         "--before",
         default="",
@@ -413,7 +425,8 @@ def main() -> None:
                         cmd += ["--config", c, "--dist", d, "--weights", weights[c]]
                         if side == "before":
                             cmd += ["--code-root", opts.before]
-                        env = dict(os.environ)
+                        env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+                        env |= MALLOC[opts.malloc]
                         if side == "compiled":  # a cold compile every time: the first step a user pays
                             env["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(dir=tmp)
                         proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
@@ -480,7 +493,8 @@ def main() -> None:
     print(
         f"dsv4 titan_thd vs transformers {_hf_version()} DeepseekV4ForCausalLM eager; {opts.dtype} fwd+bwd, "
         f"{opts.threads} threads, CPU {cpu!r}, torch {torch.__version__}, {opts.steps} timed steps after "
-        f"{opts.warmup} warm-up, best of {opts.rounds} alternating rounds; {opts.dtype} matmul peak "
+        f"{opts.warmup} warm-up, best of {opts.rounds} alternating rounds; glibc malloc {opts.malloc!r} on "
+        f"both sides; {opts.dtype} matmul peak "
         f"{peak:.0f} GFLOP/s; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores\n"
         f"  titan_thd computes: one packed THD microbatch per step, {work}\n"
         f"  transformers computes: the same documents one at a time ([1, L]), LM cross-entropy"
@@ -517,7 +531,13 @@ def main() -> None:
                 )
                 print(f"    {n} fwd+bwd by module, replayed: {parts}")
     if opts.json:
-        report = {"cpu": cpu, "threads": opts.threads, "dtype": opts.dtype, "work": opts.work}
+        report = {
+            "cpu": cpu,
+            "threads": opts.threads,
+            "dtype": opts.dtype,
+            "work": opts.work,
+            "malloc": opts.malloc,
+        }
         report |= {"transformers": _hf_version(), "torch": torch.__version__, "matmul_peak_gflops": peak}
         report |= {"rows": rows, "raw": results}
         Path(opts.json).write_text(json.dumps(report, indent=2) + "\n")

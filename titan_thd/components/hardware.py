@@ -16,7 +16,9 @@ CPU (`ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2`) is treated like the old
 from __future__ import annotations
 
 import functools
+import os
 import platform
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,3 +87,14 @@ def muon_ns_dtype(choice: str, hw: Hardware, param_dtype: torch.dtype) -> str:
     if param_dtype == torch.float64:
         return "float64"
     return "bfloat16" if hw.native_bf16_matmul else "float32"
+
+
+def describe_malloc(device: torch.device) -> str:
+    """How glibc's allocator treats the CPU step's large tensors ('' on a GPU or without glibc).
+    By default glibc unmaps every freed block over 32 MiB and the next step faults its pages in
+    again; run_train.sh's TITAN_THD_MALLOC=reuse (its default) keeps them (docs/dsv4.md §16)."""
+    if device.type != "cpu" or not sys.platform.startswith("linux"):
+        return ""
+    if os.environ.get("MALLOC_MMAP_MAX_") == "0":
+        return ", glibc malloc reuses freed memory"
+    return ", glibc malloc returns large blocks to the OS (slower: run_train.sh's TITAN_THD_MALLOC=reuse keeps them)"

@@ -72,7 +72,7 @@ def header_lines(
         f"(optimizer.muon_ns_dtype = {c.optimizer.muon_ns_dtype})"
     )
     hw = hardware.detect(device)
-    lines.append(f"hardware: {hw.describe()}{ns}")
+    lines.append(f"hardware: {hw.describe()}{hardware.describe_malloc(device)}{ns}")
     lines.append(compile_line)  # models/compile.py CompileDecision.describe()
     lines += [f"warning: {w}" for w in precision_warnings(precision, hw, fake)]
     ep = f", ep {d.ep} (experts sharded over efsdp {d.efsdp_degree})" if d.ep_enabled else ""
