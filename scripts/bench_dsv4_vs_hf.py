@@ -106,7 +106,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--configs", default="tiny,wide", help=f"comma list of {sorted(CONFIGS)}")
     p.add_argument("--dists", default="short,long", help=f"comma list of {sorted(DISTS)}")
     p.add_argument("--short-tokens", type=int, default=2048, help="T of a `short` microbatch")
-    p.add_argument("--long-tokens", type=int, default=8192, help="T of a `long` microbatch")
+    # 8192 puts transformers' eager `[1, H, L, L]` scores of a ~4k document past 24 GiB at `tiny`.
+    p.add_argument("--long-tokens", type=int, default=4096, help="T of a `long` microbatch")
     p.add_argument("--warmup", type=int, default=1, help="microbatches run before timing")
     p.add_argument("--steps", type=int, default=2, help="timed microbatches")
     p.add_argument("--rounds", type=int, default=2, help="alternating runs of each side; the best counts")
@@ -391,6 +392,16 @@ def cpu_name() -> str:
     return "unknown"
 
 
+def _exit_reason(returncode: int) -> str:
+    if returncode >= 0:
+        return f"exit status {returncode}"
+    import signal
+
+    name = signal.Signals(-returncode).name
+    oom = " (most likely the out-of-memory killer: try a smaller --long-tokens)" if name == "SIGKILL" else ""
+    return f"killed by {name}{oom}"
+
+
 def main() -> None:
     opts = parse_args()
     if opts.side:
@@ -431,7 +442,7 @@ def main() -> None:
                             env["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(dir=tmp)
                         proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
                         if proc.returncode:
-                            sys.exit(f"{c}/{d}/{side} failed:\n{proc.stderr}")
+                            sys.exit(f"{c}/{d}/{side} failed: {_exit_reason(proc.returncode)}\n{proc.stderr}")
                         r = json.loads(proc.stdout.strip().splitlines()[-1])
                         key = f"{c}/{d}/{side}"
                         if key not in results or r["tokens_per_s"] > results[key]["tokens_per_s"]:

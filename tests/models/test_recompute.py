@@ -195,9 +195,7 @@ def test_saved_bytes_drop_to_the_block_input_under_full_and_by_each_region(name)
             ids = 0 if i in hashed else T_SAVED * args.n_activated_experts * 8
             decisions[str(i)] = ids + (T_SAVED * args.index_topk * 8 if kind == "csa" else 0)
     for key, plain_bytes in none.layers.items():
-        # dsv4's first block reads the embedding expanded to its streams: one [T, d] storage.
-        kept_input = T_SAVED * args.dim * 8 if key == "0" else block_input
-        assert full.layers[key] == kept_input + decisions.get(key, 0), key
+        assert full.layers[key] == block_input + decisions.get(key, 0), key
         assert plain_bytes > 4 * full.layers[key], key
     for region, ac in _modes(name).items():
         if ac.mode != "selective":

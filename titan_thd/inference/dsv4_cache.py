@@ -124,7 +124,7 @@ class DSv4Decoder:
     def step(self, tokens_N: torch.Tensor) -> torch.Tensor:
         model, args = self.model, self.args
         pos_N = torch.tensor(self.pos, dtype=torch.int64, device=self.device)
-        h_NnD = model.embed(tokens_N)[:, None, :].expand(-1, args.hc_mult, -1)
+        h_NnD = model.embed(tokens_N)[:, None, :].expand(-1, args.hc_mult, -1).contiguous()  # as in DSv4Model
         real_N = torch.ones_like(tokens_N, dtype=torch.bool)
         rdt = rope_dtype(h_NnD.dtype)
         # The new rows' RoPE: rope_theta in sliding layers, the compressed layers' theta (+ YaRN) in others.

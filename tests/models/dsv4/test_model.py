@@ -348,3 +348,24 @@ def test_bfloat16_step_runs_and_keeps_the_balancing_bias_in_float32():
     assert logits.dtype == torch.bfloat16 and torch.isfinite(total)
     total.backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_step_runs_no_per_token_matrix_product(dtype):
+    """No op of a training step loops over the tokens inside aten. A batched product with an operand
+    aten cannot hand to one batched GEMM (the first layer's streams as a stride-0 expand of the
+    embedding, a permuted Sinkhorn result) runs one GEMM per token: a `select` of each operand per
+    token, seen here as a select or clone of a [T, ...] tensor at least T times (with the expand:
+    5 such groups at T = 149; 22k selects per step at tiny, T = 1,744; docs/dsv4.md §16)."""
+    args = micro()
+    model = build(args, dtype=dtype).train()
+    tokens, batch = packed(**DOCS, vocab=args.vocab_size, trained=0.7)
+    with torch.profiler.profile(record_shapes=True) as prof:
+        losses(model, tokens, batch)[0].backward()
+    T = tokens.numel()
+    per_token = {
+        (e.key, str(e.input_shapes)): e.count
+        for e in prof.key_averages(group_by_input_shape=True)
+        if e.key in ("aten::select", "aten::clone") and e.input_shapes[0][:1] == [T] and e.count >= T
+    }
+    assert not per_token, f"T = {T}: {per_token}"

@@ -40,14 +40,14 @@ class Compressor(nn.Module):
         assert plan.ratio == self.ratio, (plan.ratio, self.ratio)
         Dc, acc = self.head_dim, torch.promote_types(x_RD.dtype, torch.float32)
         kv_RW, gate_RW = self.wkv(x_RD), self.wgate(x_RD)
-        kv_CMW = kv_RW[plan.own_CM]
-        gate_CMW = gate_RW[plan.own_CM].to(acc) + self.ape
+        kv_CMW = _rows(kv_RW, plan.own_CM)
+        gate_CMW = _rows(gate_RW, plan.own_CM).to(acc) + self.ape
         if self.overlap:
             assert plan.prev_CM is not None, "an overlapping compressor needs the previous windows"
             first_C11 = (plan.prev_CM[:, :1] < 0)[..., None]
             prev = plan.prev_CM.clamp(min=0)
-            prev_kv_CMD = kv_RW[prev, :Dc].masked_fill(first_C11, 0.0)
-            prev_gate_CMD = (gate_RW[prev, :Dc].to(acc) + self.ape[:, :Dc]).masked_fill(
+            prev_kv_CMD = _rows(kv_RW[:, :Dc], prev).masked_fill(first_C11, 0.0)
+            prev_gate_CMD = (_rows(gate_RW[:, :Dc], prev).to(acc) + self.ape[:, :Dc]).masked_fill(
                 first_C11, float("-inf")
             )
             kv_CPD = torch.cat([prev_kv_CMD, kv_CMW[..., Dc:]], dim=1)
@@ -57,3 +57,9 @@ class Compressor(nn.Module):
         weight_CPD = gate_CPD.softmax(dim=1)
         entries_CD = self.norm((kv_CPD * weight_CPD).sum(dim=1).to(x_RD.dtype))
         return apply_rope(entries_CD, plan.cos_CR, plan.sin_CR)
+
+
+def _rows(x_RW: torch.Tensor, idx_CM: torch.Tensor) -> torch.Tensor:
+    """x_RW[idx_CM] as an index_select, whose backward is an index_add_ (advanced indexing's is a
+    serial accumulating index_put_, several times slower on a CPU)."""
+    return x_RW.index_select(0, idx_CM.flatten()).view(*idx_CM.shape, x_RW.shape[-1])

@@ -134,7 +134,8 @@ class _Mix(torch.autograd.Function):
         if not ctx.needs_input_grad[0]:
             return None, grad_fn, None
         c_T1 = (g_TM * raw_TM).sum(-1, keepdim=True).mul_(r_T1.pow(3)).div_(-x_TC.shape[-1])
-        return torch.addmm(x_TC * c_T1, g_raw_TM, fn_MC), grad_fn, None
+        # mm then one in-place pass over x: addmm would first build x c and copy it into its output.
+        return torch.mm(g_raw_TM, fn_MC).addcmul_(x_TC, c_T1), grad_fn, None
 
 
 def _collapse(pre_TN: torch.Tensor, h_TND: torch.Tensor) -> torch.Tensor:

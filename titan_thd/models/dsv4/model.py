@@ -63,7 +63,8 @@ class DSv4Model(nn.Module):
         args = self.args
         if x.dim() == 1:
             tokens_T = x
-            h_TND = self.embed(tokens_T)[:, None, :].expand(-1, args.hc_mult, -1)
+            # Materialised: on a stride-0 expand aten's bmm (mHC) runs one GEMM per token.
+            h_TND = self.embed(tokens_T)[:, None, :].expand(-1, args.hc_mult, -1).contiguous()
         else:
             tokens_T, h_TND = meta.tokens, x
         plan = get_plan(meta, args, h_TND.dtype)
@@ -96,9 +97,10 @@ class DSv4Model(nn.Module):
             # Vocabulary-parallel head (tensor parallelism): x_TD is this rank's sequence-parallel
             # rows, the head gathers all of them, the untrained ones are masked in the loss.
             return cross_entropy_sum(self.head(x_TD), target_T, trained_T)
-        logits_rV = self.head(x_TD[trained_T])
+        rows_r = trained_T.nonzero().squeeze(1)  # index_select's backward is an index_add_ (moe.py)
+        logits_rV = self.head(x_TD.index_select(0, rows_r))
         acc = torch.promote_types(logits_rV.dtype, torch.float32)
-        return F.cross_entropy(logits_rV.to(acc), target_T[trained_T], reduction="sum")
+        return F.cross_entropy(logits_rV.to(acc), target_T[rows_r], reduction="sum")
 
     @torch.no_grad()
     def init_weights(self) -> None:

@@ -194,7 +194,9 @@ class MoE(nn.Module):
         order = torch.argsort(flat, stable=True)
         rows = order // k
         counts_E = torch.bincount(flat, minlength=self.n_experts)
-        x_sorted = x_TD[rows]
+        # index_select, not x_TD[rows]: its backward is index_add_, where advanced indexing's is a
+        # serial accumulating index_put_ (fwd+bwd 3.4 -> 0.5 ms at T = 1,744, d = 256, 2 threads).
+        x_sorted = x_TD.index_select(0, rows)
         if self.ep_group is None:
             routed = self.experts(x_sorted, decided_once(counts_E.tolist), self.limit)
         else:

@@ -55,9 +55,28 @@ def apply_rope(
     R = cos_NR.shape[-1]
     view = (cos_NR.shape[0],) + (1,) * (x.ndim - 2) + (R,)
     cos, sin = cos_NR.view(view), sin_NR.view(view)
-    if inverse:
-        sin = -sin
+    return _Rope.apply(x, cos, -sin if inverse else sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    R = cos.shape[-1]
     nope, rope = x[..., : -2 * R], x[..., -2 * R :].to(cos.dtype)
     even, odd = rope[..., 0::2], rope[..., 1::2]
     rotated = torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1).flatten(-2)
     return torch.cat((nope, rotated.to(x.dtype)), dim=-1)
+
+
+class _Rope(torch.autograd.Function):
+    """A rotation's gradient is the gradient rotated back: one more `_rotate` (autograd through it
+    runs the four products' backwards into strided halves and the stack / cat backwards)."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        assert not (cos.requires_grad or sin.requires_grad), "RoPE angles carry no gradient"
+        ctx.save_for_backward(cos, sin)
+        return _rotate(x, cos, sin)
+
+    @staticmethod
+    def backward(ctx, grad):
+        cos, sin = ctx.saved_tensors
+        return _rotate(grad, cos, -sin), None, None
