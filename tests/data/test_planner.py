@@ -216,7 +216,7 @@ def test_make_plan_rejects_unknown_policy():
 
 def test_bench_planner_json_rows(tmp_path):
     """The benchmark's --json contract: one row per (dp, cp, planner) with the issue's keys."""
-    spec = importlib.util.spec_from_file_location("bench_planner", ROOT / "scripts" / "bench_planner.py")
+    spec = importlib.util.spec_from_file_location("bench_planner", ROOT / "benchmarks" / "bench_planner.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     out = tmp_path / "planner.json"

@@ -1,4 +1,4 @@
-"""Crash safety through real runs: scripts/fault_injection.py with reduced counts, dense recipe.
+"""Crash safety through real runs: dev/fault_injection.py with reduced counts, dense recipe.
 
 An uninterrupted reference run, then one chain in one folder (SIGKILL at a random moment, resume,
 SIGKILL during a save, resume to the end: every resumed record bitwise equal to the reference,
@@ -6,7 +6,7 @@ metrics.jsonl and TensorBoard one value per step), then a NaN loss that stops th
 optimizer step, keeping the checkpoints before it. The dsv4 recipe runs the same code paths (the
 trainer, checkpointer and metrics do not depend on the model) at ~4x the cost, so CI leaves it to
 the script: its full counts, every fault on both recipes, recoveries and DP=2, are reported by
-`scripts/fault_injection.py --json` (see its docstring). Damaged checkpoints and full disks on one
+`dev/fault_injection.py --json` (see its docstring). Damaged checkpoints and full disks on one
 of two ranks are tested in tests/components. Plus: a rank dies with its torchrun.
 """
 
@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("fault_injection", ROOT / "scripts" / "fault_injection.py")
+_spec = importlib.util.spec_from_file_location("fault_injection", ROOT / "dev" / "fault_injection.py")
 FI = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = FI  # its dataclasses look their module up there
 _spec.loader.exec_module(FI)

@@ -1,11 +1,11 @@
-"""scripts/bench_llama_vs_torchtitan.py without torchtitan: a message and exit code 0, nothing run
+"""benchmarks/bench_llama_vs_torchtitan.py without torchtitan: a message and exit code 0, nothing run
 (torchtitan is not a dependency; the comparison itself is a measurement, never a test)."""
 
 import importlib.util
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_llama_vs_torchtitan.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_llama_vs_torchtitan.py"
 
 
 def test_without_torchtitan_it_says_so_and_exits_0(monkeypatch, capsys):

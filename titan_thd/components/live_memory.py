@@ -9,7 +9,7 @@ backward in the calling thread under the same mode), keeps a weak reference to i
 counts the storage's bytes until it is freed. Not seen: the memory an op uses internally and frees
 before it returns, and storages made outside the mode and not passed as `existing`. The activation
 memory estimate of the log header (pipeline/activations.py) is checked against it
-(tests/parallel/test_activation_memory.py); scripts/bench_memory.py reports it.
+(tests/parallel/test_activation_memory.py); benchmarks/bench_memory.py reports it.
 """
 
 from __future__ import annotations

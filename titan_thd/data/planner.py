@@ -20,7 +20,7 @@ Cost model and `Plan`: titan_thd/data/plan.py (a sample of padded length L costs
   heuristic (the problem is NP-hard): on tiny inputs it finds the optimal K and comes within a
   few % of the optimal cost (brute force in tests/data/test_planner.py); on batches built to
   have a perfect packing (zero room left) it finds it nearly always; a few ms for 1000 samples
-  (scripts/bench_planner.py).
+  (benchmarks/bench_planner.py).
 """
 
 from __future__ import annotations

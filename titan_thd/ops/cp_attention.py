@@ -20,7 +20,7 @@ exactly as `varlen_attention` does without CP, so both give the same result row 
 
 All-gathering K/V moves (cp - 1) * t * 2K * D elements per rank per layer forward (and the same
 in the backward's reduce-scatter). A P2P ring moves the same K/V in forward and more in backward
-(K/V again plus their gradients; scripts/bench_cp.py) and pays off only by overlapping transfers
+(K/V again plus their gradients; benchmarks/bench_cp.py) and pays off only by overlapping transfers
 with compute, which gloo over loopback does not give; so there is no ring variant.
 """
 

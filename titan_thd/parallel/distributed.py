@@ -96,7 +96,7 @@ def die_with_launcher() -> None:
 
     torchrun starts every rank in a session of its own, so a SIGKILL of torchrun (or of its
     process group) used to leave the ranks training on, writing checkpoints and metrics into the
-    folder that the next run resumes from (measured: scripts/fault_injection.py).
+    folder that the next run resumes from (measured: dev/fault_injection.py).
     """
     if "TORCHELASTIC_RUN_ID" in os.environ:
         die_with_parent()

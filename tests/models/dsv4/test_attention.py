@@ -266,7 +266,7 @@ def test_packed_documents_equal_alone_per_layer_type():
 
 def test_bench_dsv4_attention_json(tmp_path):
     """The benchmark's --json contract: per-token microseconds per layer type and T, each positive."""
-    path = Path(__file__).resolve().parents[3] / "scripts" / "bench_dsv4_attention.py"
+    path = Path(__file__).resolve().parents[3] / "benchmarks" / "bench_dsv4_attention.py"
     spec = importlib.util.spec_from_file_location("bench_dsv4_attention", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

@@ -6,7 +6,7 @@ The eager norms run through one autograd function with the backward written out,
     dx = r (g' - x r^2 mean(g' x)),   g' = g w,   dw = sum over rows of g x r,
 saving only x and r: autograd through the formula keeps x^2, the mean and the product as well and
 runs ~8 memory-bound passes in the backward (2-3x slower at tiny widths, measured with
-scripts/bench_dsv4_vs_hf.py; docs/dsv4.md §16). The `*_formula` versions are the same values in plain ops: the test reference, and
+benchmarks/bench_dsv4_vs_hf.py; docs/dsv4.md §16). The `*_formula` versions are the same values in plain ops: the test reference, and
 what training.compile compiles (inductor fuses the formula itself).
 """
 

@@ -38,7 +38,7 @@ spec = ModelSpec(
     tp_divides=tp_divides,
     narrow=narrow,
     compile=apply_compile,
-    # Its one region (the SwiGLU) measured 1.01x per step (scripts/bench_llama_vs_torchtitan.py
+    # Its one region (the SwiGLU) measured 1.01x per step (benchmarks/bench_llama_vs_torchtitan.py
     # --compile, README "Performance"): `auto` never compiles it.
     compile_payback_steps=0,
 )

@@ -49,7 +49,7 @@ class LlamaArgs:
 flavors: dict[str, LlamaArgs] = {
     # 6,557,952 parameters at vocab 512 (6,295,552 in the blocks).
     "debug": LlamaArgs(dim=256, n_layers=8, n_heads=4, n_kv_heads=2, ffn_hidden_dim=768),
-    # 31,992,320 parameters at vocab 512; used by scripts/bench_thd_vs_padded.py.
+    # 31,992,320 parameters at vocab 512; used by benchmarks/bench_thd_vs_padded.py.
     "bench": LlamaArgs(dim=512, n_layers=10, n_heads=8, n_kv_heads=4, ffn_hidden_dim=1536),
 }
 

@@ -18,7 +18,7 @@ all-to-all       one dsv4 MoE layer (`tiny`, float32) on 4 gloo processes in ep 
                  row all-to-alls (dispatch and combine; the backward sends as much again), vs
                  the analytic 2 * N k (ep - 1) / ep * d * 4 bytes for N tokens of uniform routing.
 
-  .venv/bin/python scripts/bench_moe.py --json /tmp/bench_moe.json [--threads 2]
+  .venv/bin/python benchmarks/bench_moe.py --json /tmp/bench_moe.json [--threads 2]
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """titan_thd's dense `llama` vs an installed torchtitan's llama3 `debugmodel`: one training step
 (forward, cross-entropy, backward, AdamW step) at the same settings, side by side.
 
-    .venv/bin/python scripts/bench_llama_vs_torchtitan.py [--dtype float32,bfloat16] [--compile] \
+    .venv/bin/python benchmarks/bench_llama_vs_torchtitan.py [--dtype float32,bfloat16] [--compile] \
         [--pairs 11] [--threads 2] [--json /tmp/llama_vs_torchtitan.json]
 
 torchtitan is not a dependency of titan_thd: install it into a virtualenv of your own to run this

@@ -16,7 +16,7 @@ backward. Step time: forward + backward of the whole model on one microbatch in 
 processes (one thread each; more processes than cores are time-sliced, so TP = 4 on 2 cores is
 oversubscribed and its wall time is not a speedup measurement; the CPU-seconds column is).
 
-    .venv/bin/python scripts/bench_tp.py --json /tmp/bench_tp.json
+    .venv/bin/python benchmarks/bench_tp.py --json /tmp/bench_tp.json
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Generation speed: cached decoding vs recomputing the packed forward at every step, side by side.
 
-    .venv/bin/python scripts/bench_generate.py                      # dsv4 tiny and llama debug, 8 prompts
-    .venv/bin/python scripts/bench_generate.py --models dsv4 --prompts 16 --prompt_len 256 --json gen.json
+    .venv/bin/python benchmarks/bench_generate.py                      # dsv4 tiny and llama debug, 8 prompts
+    .venv/bin/python benchmarks/bench_generate.py --models dsv4 --prompts 16 --prompt_len 256 --json gen.json
 
 Each model (randomly initialised at the byte vocabulary; the speed does not depend on the weights) greedily
 continues the same prompts (random byte ids) with both decoders of titan_thd/inference/generate.py: the

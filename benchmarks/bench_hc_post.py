@@ -7,7 +7,7 @@ the measurement behind `apply_compile` still swapping the formula in for `hc_pos
 (docs/dsv4.md §18). Run it under run_train.sh's allocator to see a training step's conditions:
 
   MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=1099511627776 \\
-      .venv/bin/python scripts/bench_hc_post.py --threads 2 [--json /tmp/hc_post.json]
+      .venv/bin/python benchmarks/bench_hc_post.py --threads 2 [--json /tmp/hc_post.json]
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ load drifts: `--rounds` alternates the two processes and keeps each variant's fa
 the CPU-time column (process time, immune to time slicing at --threads 1) is printed beside the
 wall clock.
 
-    .venv/bin/python scripts/bench_thd_vs_padded.py --json /tmp/thd_vs_padded.json
+    .venv/bin/python benchmarks/bench_thd_vs_padded.py --json /tmp/thd_vs_padded.json
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """titan_thd's dsv4 vs transformers' DeepseekV4ForCausalLM (eager): forward+backward real tokens/s.
 
-    .venv/bin/python scripts/bench_dsv4_vs_hf.py --json /tmp/dsv4_vs_hf.json      (needs the `hf` extra)
+    .venv/bin/python benchmarks/bench_dsv4_vs_hf.py --json /tmp/dsv4_vs_hf.json      (needs the `hf` extra)
 
 Both sides run the same weights (titan_thd builds the model, `export_hf` writes it, both load that
 directory) on the same documents, in `--dtype` (float32 or bfloat16, parameters and compute alike):

@@ -1,4 +1,4 @@
-"""The machinery of scripts/fault_injection.py: the worker that patches one fault into a trainer
+"""The machinery of dev/fault_injection.py: the worker that patches one fault into a trainer
 process (NaN loss, Inf gradient, full disk), the recipes and the runs it starts and kills (process
 groups, descendants), and what it reads back from a run folder (complete checkpoints, metrics.jsonl,
 TensorBoard, the resume line, folder digests)."""

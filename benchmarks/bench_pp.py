@@ -14,8 +14,8 @@ microbatches. Per stage and K:
               in-flight microbatches' activations, what 1F1B bounds to pp - stage microbatches)
               and, on CUDA, torch.cuda.max_memory_allocated.
 
-    .venv/bin/python scripts/bench_pp.py --json /tmp/bench_pp.json
-    .venv/bin/python scripts/bench_pp.py --model dsv4 --flavor micro --tokens 256 --json /tmp/bench_pp_dsv4.json
+    .venv/bin/python benchmarks/bench_pp.py --json /tmp/bench_pp.json
+    .venv/bin/python benchmarks/bench_pp.py --model dsv4 --flavor micro --tokens 256 --json /tmp/bench_pp_dsv4.json
 
 On 2 CPU cores the stages are time-sliced as soon as pp exceeds the cores (or other work runs):
 then waiting for a descheduled neighbour shows as bubble too.

@@ -12,7 +12,7 @@ process, eager, float32 by default:
   peak             peak bytes of live tensors over one step (components/live_memory.py):
                    parameters, gradients, optimizer state, activations, temporaries
 
-  .venv/bin/python scripts/bench_memory.py --json /tmp/bench_memory.json
+  .venv/bin/python benchmarks/bench_memory.py --json /tmp/bench_memory.json
 """
 
 from __future__ import annotations

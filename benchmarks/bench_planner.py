@@ -20,10 +20,10 @@ mean over --steps global batches (both planners see the same batches):
     plan_ms    CPU time of one planning call (thread time: robust to other load on the machine)
 
 Examples:
-    python scripts/bench_planner.py
-    python scripts/bench_planner.py --dp 8 --cp 2 --steps 20 --json /tmp/planner.json
-    python scripts/bench_planner.py --cost-attention 1.2e-4 --mean-len 2048
-    python scripts/bench_planner.py --batch-docs 1000 --dp 1 8 --cp 1 2   # planning time per 1000 documents
+    python benchmarks/bench_planner.py
+    python benchmarks/bench_planner.py --dp 8 --cp 2 --steps 20 --json /tmp/planner.json
+    python benchmarks/bench_planner.py --cost-attention 1.2e-4 --mean-len 2048
+    python benchmarks/bench_planner.py --batch-docs 1000 --dp 1 8 --cp 1 2   # planning time per 1000 documents
 """
 
 from __future__ import annotations

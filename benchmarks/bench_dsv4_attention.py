@@ -1,6 +1,6 @@
 """Forward+backward time per token of one dsv4 attention layer of each type at growing T.
 
-    .venv/bin/python scripts/bench_dsv4_attention.py [--flavor tiny] [--doc-len 2048 | --lognormal]
+    .venv/bin/python benchmarks/bench_dsv4_attention.py [--flavor tiny] [--doc-len 2048 | --lognormal]
         [--tokens 2048,4096,8192,16384] [--repeats 5] [--threads N] [--model] [--json out.json]
 
 One attention layer (sliding / csa / hca) of the flavor on a packed microbatch of T tokens made of

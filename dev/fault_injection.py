@@ -1,7 +1,7 @@
 """Crash safety of the trainer, measured: faults injected into real runs of both recipes.
 
-    .venv/bin/python scripts/fault_injection.py                  # full counts, a table at the end
-    .venv/bin/python scripts/fault_injection.py --ngpu 2 --kills 10 --save-kills 10 --json out.json
+    .venv/bin/python dev/fault_injection.py                  # full counts, a table at the end
+    .venv/bin/python dev/fault_injection.py --ngpu 2 --kills 10 --save-kills 10 --json out.json
 
 For each recipe (debug_dense_thd.toml, dsv4_flash_thd.toml with the micro flavor, both shrunk to
 a few short steps with a checkpoint every `--interval` steps) one uninterrupted reference run,
@@ -26,7 +26,7 @@ counts); metrics.jsonl must hold exactly one whole JSON line per step 1..N; at t
 chain TensorBoard (read with tensorboard's EventAccumulator) must hold one value per step.
 
 The NaN / Inf / ENOSPC faults are test-only monkeypatches applied by this script's worker mode,
-    python scripts/fault_injection.py --worker FAULT [trainer arguments]
+    python dev/fault_injection.py --worker FAULT [trainer arguments]
 FAULT = nan_loss:STEP, inf_grad:STEP[:RANK] or enospc:STEP[:RANK]; the product has no fault hooks.
 """
 

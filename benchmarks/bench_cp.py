@@ -34,9 +34,9 @@ Step time: forward + backward of the whole model on one microbatch in cp spawned
 (one thread each; more processes than cores are time-sliced, so CP = 4 on 2 cores is
 oversubscribed and its wall time is not a speedup measurement; the CPU-seconds column is).
 
-    .venv/bin/python scripts/bench_cp.py --model dsv4 --json /tmp/bench_cp.json
-    .venv/bin/python scripts/bench_cp.py --model llama --json /tmp/bench_cp_llama.json
-    .venv/bin/python scripts/bench_cp.py --model llama --cp 1,2 --seed-lengths --json /tmp/bench_cp_hybrid.json
+    .venv/bin/python benchmarks/bench_cp.py --model dsv4 --json /tmp/bench_cp.json
+    .venv/bin/python benchmarks/bench_cp.py --model llama --json /tmp/bench_cp_llama.json
+    .venv/bin/python benchmarks/bench_cp.py --model llama --cp 1,2 --seed-lengths --json /tmp/bench_cp_hybrid.json
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ time/optimizer, time/data from metrics.jsonl), the loss of the last step and the
 difference of its per-step losses from the float32 run's. The header names the CPU and whether
 bf16 matmuls are native or emulated (components/hardware.py).
 
-    .venv/bin/python scripts/bench_precision.py --json /tmp/bench_precision.json
-    .venv/bin/python scripts/bench_precision.py --recipes dsv4_flash_thd.toml --steps 8 --avx2
+    .venv/bin/python benchmarks/bench_precision.py --json /tmp/bench_precision.json
+    .venv/bin/python benchmarks/bench_precision.py --recipes dsv4_flash_thd.toml --steps 8 --avx2
     (--avx2: imitate an AVX2-only CPU, where oneDNN emulates bf16: ATEN_CPU_CAPABILITY=avx2 ...)
 """
 

@@ -1,7 +1,7 @@
 """The gloo shutdown race of titan_thd/exits.py, measured: how often a rank aborts (SIGABRT, exit
 code -6) when it ends, for the two ways a rank can end, side by side on the same loaded machine.
 
-    .venv/bin/python scripts/gloo_shutdown_race.py --rounds 20 --json race.json
+    .venv/bin/python dev/gloo_shutdown_race.py --rounds 20 --json race.json
 
 Each round runs two 4-process torchrun jobs at once. Every rank does what the end of a DP 2 x CP 2
 trainer run does: the trainer's named meshes, collectives on each of them, `any_rank`, the final
