@@ -31,16 +31,22 @@ BARE = re.compile(rf"(?P<refs>{_RUN}(?:[ \t]*,?[ \t]*{_PITFALL})?|{_PITFALL})")
 OLD_STYLE = re.compile(
     r"DESIGN\.md|\bresearch\b[ \t]*(?:§|/|note|[\w-]+\.md)|megatron_thd_spec|dsv4_architecture"
     r"|cpu_feasibility|torchtitan_anchor|tp_pp_ep\b|\.\./shared|shared/research"
-    r"|\b[Ii]ssues?[ \t]+#?\d+|\bthe[ \t]+[\w-]+[ \t]+issue\b"
+    r"|\b[Ii]ssues?[ \t]+#?\d+\b|\bthe[ \t]+[\w-]+[ \t]+issue\b"
 )
 LEFTOVER = re.compile(r"§|\bpitfalls?[ \t]+\d|\bsections?[ \t]+\d")
 HEADING = re.compile(r"^#{1,6}[ \t]+(?P<title>.+?)[ \t]*$", re.MULTILINE)
+# The three drawers of files a person runs: what a user runs, benchmarks, developer harnesses and
+# investigations. A path into one of them (`scripts/generate.py`, `./scripts/test.sh`) must exist.
+DRAWERS = ("scripts", "benchmarks", "dev")
+DRAWER_PATH = re.compile(
+    r"(?:(?<=\./)|(?<![\w/.-]))(?:scripts|benchmarks|dev)/[\w-]+\.(?:py|sh|sbatch|txt)\b"
+)
 
 
 def scanned_files(root: Path) -> list[Path]:
     """Code, tests, scripts, configs and the top-level docs (this test file excluded)."""
     files = [p for d in ("titan_thd", "tests") for p in (root / d).rglob("*.py")]
-    files += [p for ext in ("*.py", "*.sh") for p in (root / "scripts").rglob(ext)]
+    files += [p for d in DRAWERS for ext in ("*.py", "*.sh") for p in (root / d).rglob(ext)]
     files += sorted((root / "train_configs").glob("*.toml"))
     files += [root / n for n in ("run_train.sh", "pyproject.toml", "README.md", "CONTRIBUTING.md")]
     return sorted(p for p in files if p.is_file() and p.resolve() != THIS)
@@ -135,6 +141,40 @@ def test_every_pointer_resolves():
     assert not unreferenced, f"docs never pointed to from code, README or CONTRIBUTING: {unreferenced}"
 
 
+def drawer_paths(root: Path) -> tuple[list[str], set[str]]:
+    """(paths into a drawer that do not exist, drawer files named by some file other than themselves)."""
+    missing, named = [], set()
+    for path in scanned_files(root) + sorted((root / "docs").glob("*.md")):
+        text = path.read_text()
+        for m in DRAWER_PATH.finditer(text):
+            if not (root / m.group(0)).exists():
+                line = text.count("\n", 0, m.start()) + 1
+                missing.append(f"{path.relative_to(root)}:{line}: {m.group(0)} does not exist")
+            elif (root / m.group(0)).resolve() != path.resolve():
+                named.add(m.group(0))
+    return missing, named
+
+
+def test_every_drawer_file_exists_and_is_named():
+    """scripts/, benchmarks/ and dev/ hold nothing unreferenced, and every path into them resolves
+    (a moved script leaves no stale pointer behind)."""
+    missing, named = drawer_paths(ROOT)
+    assert not missing, "\n".join(missing)
+    files = {str(p.relative_to(ROOT)) for d in DRAWERS for p in (ROOT / d).iterdir() if p.is_file()}
+    assert len(files) >= 20, f"only {len(files)} files in {DRAWERS}: the scan looks in the wrong places"
+    assert not files - named, f"never named outside themselves: {sorted(files - named)}"
+
+
+def test_drawer_checker(tmp_path):
+    root = _fake_repo(tmp_path, '"""Run ./scripts/a.sh, benchmarks/b.py and dev/gone.py; not /dev/null."""\n')
+    (root / "scripts" / "a.sh").write_text("")
+    (root / "benchmarks").mkdir()
+    (root / "benchmarks" / "b.py").write_text('"""benchmarks/b.py names only itself."""\n')
+    missing, named = drawer_paths(root)
+    assert [m.split(": ", 1)[1] for m in missing] == ["dev/gone.py does not exist"]
+    assert named == {"scripts/a.sh", "benchmarks/b.py"}
+
+
 def _fake_repo(tmp_path: Path, code: str) -> Path:
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "note.md").write_text(
@@ -152,6 +192,7 @@ def _fake_repo(tmp_path: Path, code: str) -> Path:
     [
         '"""Fine (docs/note.md §9.2, docs/note.md §9, pitfall 10; docs/note.md §9-§9.2; docs/note.md)."""\n',
         "# docs/note.md pitfall 10 and docs/note.md §9.2 / §9\n",
+        '"""docs/note.md §9.2, docs/note.md §9 and docs/note.md: the step issues 39k calls."""\n',
     ],
 )
 def test_checker_accepts_valid_pointers(tmp_path, code):

@@ -26,7 +26,7 @@ _spec = importlib.util.spec_from_file_location("fault_injection", ROOT / "dev" /
 FI = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = FI  # its dataclasses look their module up there
 _spec.loader.exec_module(FI)
-FH = importlib.import_module("fault_harness")  # its runs and processes (on sys.path once FI is loaded)
+FH = importlib.import_module("fault_harness")  # dev/fault_harness.py: runs, processes (on sys.path via FI)
 
 CASES = {  # the damage kinds, full disks and the dsv4 recipe: component tests and the script
     "dense": ["--cases", "mixed,nan"],
