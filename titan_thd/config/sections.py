@@ -13,16 +13,20 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 # The annotations are resolved at run time (typing.get_type_hints, for coercion and CHOICES), so
-# the Literal aliases they name are imported here, not only for type checkers.
-from titan_thd.components.precision import ComputeChoice, ReduceChoice
-from titan_thd.data.planner import Policy
-from titan_thd.data.sources import Schema
-from titan_thd.data.tokenizer import ChatTemplate
-from titan_thd.models import ModelName
-from titan_thd.models.compile import CompileChoice
-from titan_thd.parallel.activation_checkpoint import ACMode
-from titan_thd.parallel.context_parallel import CPConfigMode
-from titan_thd.pipeline import Schedule
+# the Literal aliases they name are imported here, not only for type checkers; choices.py imports
+# nothing, so neither does the config.
+from titan_thd.config.choices import (
+    ACMode,
+    ChatTemplate,
+    CompileChoice,
+    ComputeChoice,
+    CPConfigMode,
+    ModelName,
+    Policy,
+    ReduceChoice,
+    Schedule,
+    Schema,
+)
 
 
 @dataclass

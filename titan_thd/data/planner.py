@@ -25,10 +25,11 @@ Cost model and `Plan`: titan_thd/data/plan.py (a sample of padded length L costs
 
 from __future__ import annotations
 
-from typing import Literal, get_args
+from typing import get_args
 
 import numpy as np
 
+from titan_thd.config.choices import Policy
 from titan_thd.data.balanced_planner import plan_balanced
 from titan_thd.data.plan import Plan, check_inputs, finish, sample_costs, with_imbalance
 
@@ -43,8 +44,6 @@ __all__ = [
     "sample_costs",
 ]
 
-Policy = Literal["balanced", "dp_balanced"]
-"""Values of training.planner."""
 POLICIES: tuple[str, ...] = get_args(Policy)
 
 _HYBRID_STEPS = 16  # hybrid_refine: accepted changes per plan

@@ -33,12 +33,12 @@ import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, get_args
+from typing import get_args
+
+from titan_thd.config.choices import Schema
 
 ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
 
-Schema = Literal["messages", "sharegpt", "alpaca", "text"]
-"""Record schemas (data.format also accepts `auto`)."""
 SCHEMAS: tuple[str, ...] = get_args(Schema)
 INSTRUCTION_KEYS = ("instruction", "prompt", "query", "question")
 OUTPUT_KEYS = ("output", "response", "completion", "answer")

@@ -31,8 +31,9 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Literal, get_args
+from typing import get_args
 
+from titan_thd.config.choices import ChatTemplate
 from titan_thd.jsonfile import read_json_object
 
 PAD, BOS, EOS = "<|pad|>", "<|bos|>", "<|eos|>"
@@ -238,9 +239,6 @@ def _configured_specials(config_path: Path) -> dict[str, str]:
     return out
 
 
-ChatTemplate = Literal["auto", "simple", "deepseek"]
-"""Values of data.chat_template: `simple` (the project's markers), `deepseek` (DeepSeek-V4's own format)
-or `auto` (deepseek for a tokenizer that has DeepSeek's chat tokens)."""
 CHAT_TEMPLATES: tuple[str, ...] = get_args(ChatTemplate)
 
 

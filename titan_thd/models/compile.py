@@ -13,10 +13,12 @@ import functools
 import os
 import shutil
 from collections.abc import Callable
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch.distributed._functional_collectives import AsyncCollectiveTensor, wait_tensor
+
+from titan_thd.config.choices import CompileChoice
 
 
 @functools.cache
@@ -53,10 +55,6 @@ def _one_inductor_cache_per_cpu_capability() -> None:
     capability = os.environ.get("ATEN_CPU_CAPABILITY")
     if capability and os.environ.get("TORCHINDUCTOR_CACHE_DIR", default_cache_dir()) == default_cache_dir():
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{default_cache_dir()}_{capability}"
-
-
-CompileChoice = bool | Literal["auto"]
-"""Values of training.compile."""
 
 
 class CompileDecision(NamedTuple):

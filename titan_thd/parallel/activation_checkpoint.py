@@ -8,16 +8,12 @@
 A model's `apply_ac`, a step of its fixed `parallelize_<model>` sequence, wraps its blocks or regions
 with the mechanism of `parallel/recompute.py`; `validate_activation_checkpoint` (called by
 `inputs.check_inputs`, before any process group) refuses what the model does not have. This module
-imports nothing heavy: the config reads `ACMode` from it.
+imports nothing heavy; its mode's choices (`ACMode`) are the config's (config/choices.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Literal
-
-ACMode = Literal["none", "full", "selective"]
-"""activation_checkpoint.mode: nothing, whole blocks, or the named regions of each block."""
 
 
 # ============================================================================ start-up rules

@@ -15,12 +15,15 @@ The mechanisms sit where their layer is, all of them below this rule book or bes
     models/dsv4/context_parallel.py   halo and compressed-entry exchange (dsv4, docs/dsv4.md §9.2)
 A model needs no wrapping for CP: its layers read `meta.cp`.
 
-This module imports nothing from titan_thd, so config, data and models can all use `CPMode`.
+This module imports nothing from titan_thd but the config's choices (config/choices.py, a leaf), so data
+and models can all use `CPMode`.
 """
 
 from __future__ import annotations
 
 from typing import Literal, get_args
+
+from titan_thd.config.choices import CPConfigMode
 
 CPMode = Literal["zigzag", "contiguous", "hybrid"]
 """zigzag: rank r takes chunks r and 2cp-1-r of every document (balances causal attention);
@@ -28,8 +31,6 @@ contiguous: rank r takes rows [r*T/cp, (r+1)*T/cp) (a contiguous left context fr
 hybrid: documents shorter than a threshold stay whole on one rank, only longer ones are zigzagged
 (Megatron's hybrid / dynamic context parallelism; a model that computes zigzag computes it too)."""
 CP_MODES: tuple[CPMode, ...] = get_args(CPMode)
-CPConfigMode = Literal["auto", "zigzag", "contiguous", "hybrid"]
-"""Values of parallelism.context_parallel_mode: a CPMode, or "auto" = the model's declared mode."""
 CONFIG_CHOICES: tuple[str, ...] = get_args(CPConfigMode)
 assert CONFIG_CHOICES == ("auto", *CP_MODES)
 

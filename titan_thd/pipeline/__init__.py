@@ -21,11 +21,6 @@ its `ModelSpec.pipeline` (models/spec.py); nothing in this package knows a model
 activations.py measures what a stage keeps per in-flight microbatch (the dry run's memory lines).
 
 This package sits beside `parallel/` rather than in it because it imports the loss and the batch
-metadata (components, data), which `parallel/` must not. Its `__init__` imports nothing (the config
-reads `Schedule` from it): import the modules themselves.
+metadata (components, data), which `parallel/` must not. Its `__init__` imports nothing: import the
+modules themselves.
 """
-
-from typing import Literal
-
-Schedule = Literal["1F1B", "GPipe", "Interleaved1F1B"]
-"""Values of parallelism.pipeline_parallel_schedule (schedule.py plays each on one timetable)."""

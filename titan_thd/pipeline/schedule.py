@@ -34,9 +34,9 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from titan_thd.components.loss import cross_entropy_sum, loss_context
+from titan_thd.config.choices import Schedule
 from titan_thd.data.batch_meta import BatchMeta
 from titan_thd.parallel.tensor_parallel import reduce_replicated_grads
-from titan_thd.pipeline import Schedule
 
 SCHEDULES: tuple[str, ...] = get_args(Schedule)
 
