@@ -26,26 +26,19 @@ updates below ~|w| / 256 round away: docs/design.md §5.6). Compute wider than t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
 from titan_thd.components.hardware import Hardware
-
-ComputeChoice = Literal["auto", "float32", "bfloat16"]
-"""Values of training.mixed_precision_param."""
-ReduceChoice = Literal["float32", "bfloat16"]
-"""Values of training.mixed_precision_reduce."""
+from titan_thd.config.checks import DTYPE_BYTES, validate_precision
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+# The config checks the dtype combinations (validate_precision) without torch, by these widths.
+assert {name: dtype.itemsize for name, dtype in _DTYPES.items()} == DTYPE_BYTES
 
 
 def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-def _bytes(name: str) -> int:
-    return _DTYPES[name].itemsize
 
 
 @dataclass(frozen=True)
@@ -73,23 +66,6 @@ class Precision:
             f"precision ({kind}): master weights and optimizer state {_name(self.master)}, compute "
             f"{_name(self.compute)}, gradient reduction {_name(self.reduce)} "
             f"(training.mixed_precision_param = {how})"
-        )
-
-
-def validate_precision(dtype: str, param: str, reduce: str) -> None:
-    """The combinations that cannot be, before anything is built (ValueError with the numbers)."""
-    if param != "auto" and _bytes(param) > _bytes(dtype):
-        raise ValueError(
-            f"training.mixed_precision_param = {param} ({_bytes(param)} bytes) is wider than training.dtype = "
-            f"{dtype} ({_bytes(dtype)} bytes), the master weights it is cast from: computing in more bits "
-            f"than the weights hold adds nothing. Use mixed_precision_param = {dtype} (or auto), or "
-            f"training.dtype = {param} for {param} master weights"
-        )
-    if reduce == "bfloat16" and param not in ("bfloat16", "auto"):
-        raise ValueError(
-            f"training.mixed_precision_reduce = bfloat16 with mixed_precision_param = {param}: a bf16 "
-            f"reduction rounds {_bytes(param)}-byte gradients to 2 bytes without saving any compute; use "
-            "mixed_precision_reduce = float32, or mixed_precision_param = bfloat16"
         )
 
 

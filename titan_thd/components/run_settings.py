@@ -12,6 +12,8 @@ the new values and logs them. `FIXED` settings place the checkpoint's data posit
 cursor), so they cannot change on a resume at all. Layout (parallel degrees, world size) and
 `training.steps` (how far this invocation trains; the schedule length is compared on its own) are how
 the run is computed: DCP reshards, and a changed value is one info line.
+Which keys are which is a config fact: `RUN_KEYS`, `FIXED` and `HOW_MODEL_ARGS` live in
+titan_thd/config/resume_keys.py, where the checks of checkpoint.allow_changes read them too.
 
 A new run (nothing to resume) into a `job.dump_folder` whose metrics.jsonl holds records of a run with
 other settings is refused (naming the folder and the flags); the same settings again (a rerun of the
@@ -25,6 +27,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from titan_thd.config.resume_keys import FIXED, HOW_MODEL_ARGS, RUN_KEYS
 from titan_thd.data.sources import ASSETS_DIR, resolve_data_path
 
 if TYPE_CHECKING:
@@ -33,44 +36,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("titan_thd")
 
-RUN_KEYS: tuple[str, ...] = (
-    # schedule
-    "optimizer.lr",
-    "lr_scheduler.total_steps",
-    "lr_scheduler.warmup_steps",
-    "lr_scheduler.decay",
-    "lr_scheduler.min_lr_factor",
-    # optimizer and update
-    "optimizer.name",
-    "optimizer.weight_decay",
-    "optimizer.beta1",
-    "optimizer.beta2",
-    "optimizer.eps",
-    "optimizer.muon_momentum",
-    "optimizer.muon_ns_steps",
-    "training.max_norm",
-    "training.dtype",
-    # batch
-    "training.global_batch_size",
-    "training.tokens_per_microbatch",
-    # data
-    "training.seed",
-    "data.source",
-    "data.path",
-    "data.format",
-    "data.tokenizer",
-    "data.chat_template",
-    "data.mock_config",
-    "data.num_samples",
-    "data.shuffle",
-    "data.overlong",
-    "validation.fraction",
-)
-"""Config keys that define the run (plus `model.args.<name>`, except `HOW_MODEL_ARGS`)."""
-FIXED = ("training.seed", "training.global_batch_size")
-"""Run settings a resume cannot change: they place the checkpoint's data position."""
-HOW_MODEL_ARGS = ("attention_backend", "attn_chunk")
-"""model.args entries that change how the model is computed, not what it computes."""
 RUN_FILE = "run.json"
 """`<job.dump_folder>/run.json`: the run settings of the run whose metrics.jsonl is there."""
 

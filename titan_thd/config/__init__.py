@@ -8,10 +8,15 @@ process group exists.
     cfg = load_config(["--job.config_file", "train_configs/debug_dense_thd.toml",
                        "--training.steps", "20"])
 
-One concern a file: sections.py (the dataclasses and their field docstrings), schema.py (what they
-declare, read back: types, docstrings, CHOICES), loader.py (TOML, command line, coercion),
-checks.py (validate), render.py (to_toml, help_text), __main__.py (`python -m titan_thd.config`).
-Callers import from the package: `from titan_thd.config import Config, load_config`.
+One concern a file: sections.py (the dataclasses and their field docstrings), choices.py (the
+Literal aliases of the choice fields), schema.py (what the sections declare, read back: types,
+docstrings, CHOICES), loader.py (TOML, command line, coercion), checks.py (validate),
+resume_keys.py (what a resume may change), render.py (to_toml, help_text), __main__.py
+(`python -m titan_thd.config`). Callers import from the package: `from titan_thd.config import
+Config, load_config`.
+
+The package is a leaf of the import graph: it imports nothing else of titan_thd (nor torch or
+numpy), so every other module may import it at run time (tests/test_imports.py).
 """
 
 from titan_thd.config.checks import validate

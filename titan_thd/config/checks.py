@@ -3,15 +3,18 @@
 Value ranges, the Literal choices, and the rules between fields of the same run (precision dtypes,
 resume allowances, [validation] and [evaluation] against data and parallelism). The rules that need
 the model or the world size (each parallelism's divisibility, T against data.pad_to_multiple) live
-in titan_thd/inputs.py (`check_inputs`), which also runs before any process group exists.
+in titan_thd/startup.py (`check_inputs`), which also runs before any process group exists.
 """
 
 from __future__ import annotations
 
-from titan_thd.components.precision import validate_precision
-from titan_thd.components.run_settings import FIXED, RUN_KEYS
+from titan_thd.config.resume_keys import FIXED, RUN_KEYS
 from titan_thd.config.schema import CHOICES
 from titan_thd.config.sections import Config
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float64": 8}
+"""Bytes per element of the dtypes training.dtype and mixed_precision_param name (components/precision.py
+asserts them against torch's)."""
 
 
 def validate(cfg: Config) -> None:
@@ -76,11 +79,30 @@ def validate(cfg: Config) -> None:
             f"parallelism.data_parallel_shard_degree: got {p.data_parallel_shard_degree}, expected -1 or >= 1"
         )
     # The rules of each parallelism, and T against data.pad_to_multiple, need the model and the world
-    # size: titan_thd.inputs.check_inputs checks them, still before any process group.
+    # size: titan_thd.startup.check_inputs checks them, still before any process group.
     if cfg.data.source in ("jsonl", "parquet", "packed") and not cfg.data.path:
         raise ValueError(f"data.source = {cfg.data.source} needs data.path")
     _validate_validation(cfg)
     _validate_evaluation(cfg)
+
+
+def validate_precision(dtype: str, param: str, reduce: str) -> None:
+    """The combinations of training.dtype, mixed_precision_param and mixed_precision_reduce that cannot
+    be, before anything is built (ValueError with the numbers)."""
+    width = DTYPE_BYTES
+    if param != "auto" and width[param] > width[dtype]:
+        raise ValueError(
+            f"training.mixed_precision_param = {param} ({width[param]} bytes) is wider than training.dtype = "
+            f"{dtype} ({width[dtype]} bytes), the master weights it is cast from: computing in more bits "
+            f"than the weights hold adds nothing. Use mixed_precision_param = {dtype} (or auto), or "
+            f"training.dtype = {param} for {param} master weights"
+        )
+    if reduce == "bfloat16" and param not in ("bfloat16", "auto"):
+        raise ValueError(
+            f"training.mixed_precision_reduce = bfloat16 with mixed_precision_param = {param}: a bf16 "
+            f"reduction rounds {width[param]}-byte gradients to 2 bytes without saving any compute; use "
+            "mixed_precision_reduce = float32, or mixed_precision_param = bfloat16"
+        )
 
 
 def _validate_allow_changes(names: tuple[str, ...]) -> None:

@@ -22,7 +22,6 @@ from typing import Any, Literal
 from titan_thd.config.checks import validate
 from titan_thd.config.schema import closest, field_type, section_types
 from titan_thd.config.sections import Config
-from titan_thd.jsonfile import read_json_object
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -33,7 +32,7 @@ else:  # pragma: no cover
 # ============================================================================ coercion
 def coerce(key: str, value: Any, typ: Any, from_cli: bool) -> Any:
     """Convert `value` to `typ` (from the command line: from its text); ValueError naming the key, the
-    value and the expected type. Also used for the entries of [model.args] (titan_thd/inputs.py)."""
+    value and the expected type. Also used for the entries of [model.args] (titan_thd/startup.py)."""
 
     def bad(expected: str) -> ValueError:
         return ValueError(f"{key}: got {value!r}, expected {expected}")
@@ -112,8 +111,20 @@ def coerce(key: str, value: Any, typ: Any, from_cli: bool) -> Any:
 
 def _json_table(key: str, value: str) -> dict:
     """The JSON object of file `value` (relative to the working directory); ValueError naming the file
-    and, for bad JSON, its line and column."""
-    return read_json_object(Path(value).expanduser().absolute(), prefix=f"{key} = {value!r}: ")
+    and, for bad JSON, its line and column. (titan_thd/jsonfile.py reads JSON files for the rest of the
+    package the same way; the config imports nothing outside itself, so it reads its own.)"""
+    path, where = Path(value).expanduser().absolute(), f"{key} = {value!r}: "
+    try:
+        table = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ValueError(f"{where}{path} does not exist") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}{path}: invalid JSON: {e}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{where}cannot read {path}: {e}") from None
+    if not isinstance(table, dict):
+        raise ValueError(f"{where}{path} holds a JSON {type(table).__name__}, expected an object")
+    return table
 
 
 # ============================================================================ loading
