@@ -32,6 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from titan_thd.components.live_memory import LiveBytes
+
 from titan_thd.components.loss import cross_entropy_sum
 from titan_thd.config import ActivationCheckpoint, Parallelism, Training
 from titan_thd.data.batch_meta import BatchMeta
@@ -77,9 +78,7 @@ def build(name: str, args, ac: ActivationCheckpoint, dtype: torch.dtype):
     torch.manual_seed(0)
     model = spec.build(args).to(dtype).train()
     one = ParallelDims(pp=1, dp_shard=1, cp=1, tp=1, world_size=1)
-    model = spec.parallelize(
-        model, one, parallelism=Parallelism(), training=Training(), activation_checkpoint=ac
-    )
+    model = spec.parallelize(model, one, ac=ac)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
 
 

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch.distributed.tensor.parallel import loss_parallel
 
 from titan_thd.components.loss import cross_entropy_sum
-from titan_thd.config import ActivationCheckpoint, Parallelism, Training
+from titan_thd.config import ActivationCheckpoint
 from titan_thd.data.batch_meta import BatchMeta
 from titan_thd.data.packed_batch import IGNORE_INDEX, PackedBatch
 from titan_thd.models.dsv4 import DSv4Args, build_dsv4, flavors
@@ -120,9 +120,7 @@ def _worker(rank: int, world: int, args: DSv4Args, batch: PackedBatch, repeats: 
     model = parallelize_dsv4(
         build_dsv4(args).train(),
         dims,
-        parallelism=Parallelism(),
-        training=Training(),
-        activation_checkpoint=ActivationCheckpoint(),
+        ac=ActivationCheckpoint(),
     )
     meta_batch = batch
     counts = {"sent": 0}

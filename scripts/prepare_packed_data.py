@@ -29,6 +29,7 @@ Examples:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -42,8 +43,9 @@ from titan_thd.data.packed_dataset import ALGORITHMS, METADATA_FILE, pack_rows, 
 from titan_thd.data.packer import padded_lengths
 from titan_thd.data.token_store import build_token_store
 from titan_thd.data.tokenizer import build_tokenizer
-from titan_thd.inputs import default_pad_to_multiple
 from titan_thd.models import get_model_spec
+from titan_thd.parallel.context_parallel import resolve_mode
+from titan_thd.startup import default_pad_to_multiple
 
 HISTOGRAM_FILE = "length_histogram.png"
 
@@ -91,25 +93,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     cfg = load_config(["--job.config_file", args.config]) if args.config else Config()
-    data = cfg.data
-    for field in (
-        "source",
-        "path",
-        "format",
-        "tokenizer",
-        "chat_template",
-        "mock_config",
-        "num_samples",
-        "pad_to_multiple",
-        "overlong",
-    ):
-        if getattr(args, field) is not None:
-            setattr(data, field, getattr(args, field))
+    # The command line's data settings over the config's, in a new section (the loaded config is not written).
+    given = {
+        field: getattr(args, field)
+        for field in (
+            "source",
+            "path",
+            "format",
+            "tokenizer",
+            "chat_template",
+            "mock_config",
+            "num_samples",
+            "pad_to_multiple",
+            "overlong",
+        )
+    }
+    data = dataclasses.replace(cfg.data, **{k: v for k, v in given.items() if v is not None})
     T = args.tokens_per_microbatch or cfg.training.tokens_per_microbatch
     seed = cfg.training.seed if args.seed is None else args.seed
     if data.pad_to_multiple == 0:  # what the run's CP mode needs, as the trainer derives it
-        data.pad_to_multiple = default_pad_to_multiple(
-            cfg.parallelism, get_model_spec(cfg.model.name).cp_mode
+        p = cfg.parallelism
+        mode = resolve_mode(p.context_parallel_mode, cfg.model.name, get_model_spec(cfg.model.name).cp_mode)
+        data = dataclasses.replace(
+            data, pad_to_multiple=default_pad_to_multiple(p.context_parallel_degree, mode)
         )
     if T % data.pad_to_multiple:
         raise ValueError(

@@ -91,7 +91,7 @@ def test_ctrl_c_during_start_up_is_one_line(tmp_path, monkeypatch, capsys):
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(train_module, "check_inputs", interrupted)
+    monkeypatch.setattr(train_module, "resolve_run", interrupted)
     assert main([*TRAIN_ARGS, "--job.dump_folder", str(tmp_path)]) == exits.INTERRUPTED
     err = capsys.readouterr().err
     assert err == "stopped by Ctrl-C before the first step: nothing to save\n"

@@ -14,8 +14,8 @@ from tests.models.dsv4._util import assert_loaded_and_first_ce
 from titan_thd.config import load_config
 from titan_thd.data.batch_meta import BatchMeta
 from titan_thd.data.packed_batch import IGNORE_INDEX
-from titan_thd.inputs import attention_cost_weight
 from titan_thd.models.dsv4 import build_dsv4, export_hf, flavors
+from titan_thd.startup import attention_cost_weight
 from titan_thd.train import Trainer
 
 

@@ -22,7 +22,7 @@ from titan_thd.components.lr_scheduler import lr_factor
 from titan_thd.components.metrics import MetricsLogger
 from titan_thd.components.run_settings import check_resume, data_description, run_settings
 from titan_thd.config import Metrics, load_config
-from titan_thd.inputs import preflight
+from titan_thd.startup import preflight
 from titan_thd.train import Trainer, main
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from tests import _tiny_llama
 from tests._dist import spawn
 from tests.conftest import TRAIN_ARGS
-from titan_thd.config import ActivationCheckpoint, Parallelism, Training, load_config
+from titan_thd.config import ActivationCheckpoint, load_config
 from titan_thd.train import Trainer
 
 pytestmark = [pytest.mark.filterwarnings("ignore:'set_vital' is deprecated"), pytest.mark.extended]
@@ -145,9 +145,7 @@ def _leak_rows(model_name: str) -> list[int]:
     model = spec.parallelize(
         spec.build(margs).double(),
         dims,
-        parallelism=Parallelism(),
-        training=Training(),
-        activation_checkpoint=ActivationCheckpoint(),
+        ac=ActivationCheckpoint(),
     )
     _tokens, batch = packed([21, 47, 9, 30], margs.vocab_size, pad_to=4, tail=24, seed=5)
     mode = spec.cp_mode

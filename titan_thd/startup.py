@@ -1,9 +1,11 @@
-"""What a user gives, checked before any process group exists: the config against the world size
-and the model, the tokenizer, a Hugging Face folder, the output folders. `check_inputs` is what the
-Trainer and `--job.preflight` run first; every failure is a ValueError naming the field, the value
-and what is allowed.
+"""Start-up: the config checked against the world size, the model and the machine, and every decision
+resolved once into one frozen `Run`, before any process group exists. Nothing after `load_config`
+writes the config; everything after start-up reads the `Run` (tests/test_startup.py holds both).
 
-Each parallelism keeps its rules in its own module and `check_inputs` calls them in a row, then
+    run = resolve_run(cfg, world_size)      # ValueError naming the field, the value and the fix
+    run.flavor, run.cp_mode, run.pad_to_multiple, run.rule, run.layout(dp_rank), run.compile, ...
+
+Each parallelism keeps its rules in its own module and `resolve_run` calls them in a row, then
 the one check of their combinations:
 
     validate_context_parallel     parallel/context_parallel.py   CP degree, mode, T per rank
@@ -13,7 +15,10 @@ the one check of their combinations:
     validate_activation_checkpoint  parallel/activation_checkpoint.py  mode, the model's regions
     ParallelDims                  parallel/parallel_dims.py      the degrees against the world
     validate_combinations         here                           what does not combine (yet)
-    microbatch_rule               here (data/rows.py)            every microbatch the data can make
+    row_rule                      data/rows.py                   every microbatch the data can make
+
+`preflight` (--job.preflight, run by run_train.sh before torchrun) resolves the run in one process
+and reads what the ranks would read before their first step.
 """
 
 from __future__ import annotations
@@ -23,15 +28,16 @@ import json
 import logging
 import os
 import typing
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
 from titan_thd.components import hardware, run_settings
 from titan_thd.components.checkpoint import CheckpointManager, checkpoint_steps, model_fingerprint
 from titan_thd.components.precision import Precision, resolve_precision
-from titan_thd.config import Config, Parallelism, coerce, validate
+from titan_thd.config import Config, coerce, validate
 from titan_thd.data.dataloader import DataLayout, OrderedSteps, build_dataloader
 from titan_thd.data.rows import RowRule, row_rule
 from titan_thd.data.stores import build_stores, check_validation_path
@@ -97,90 +103,208 @@ def _check_folder(key: str, value: str, folder: Path, writable: bool = False) ->
         return
 
 
-class Inputs(NamedTuple):
-    """What `check_inputs` derives from a config that passed."""
+@dataclass(frozen=True)
+class Run:
+    """Every decision start-up makes, made once: what the rest of the program reads instead of the
+    config's raw fields (a field that start-up resolves, e.g. `data.pad_to_multiple = 0`, is read
+    from here only). The sections that need no resolving (optimizer, lr_scheduler, checkpoint,
+    metrics, ...) are read from `cfg`, which start-up never writes."""
 
+    cfg: Config
+    """The configuration as loaded."""
     spec: ModelSpec
-    tokenizer: Tokenizer
+    flavor: str
+    """model.flavor, or the family's default flavor when empty ("" = the architecture is the config.json
+    of model.hf_path)."""
+    model_label: str
+    """How messages name the model: family and flavor, or the checkpoint whose config.json is read."""
     model_args: Any
+    """The flavor's (or config.json's) args with [model.args] and the vocabulary size applied."""
+    tokenizer: Tokenizer
     dims: ParallelDims
     stages: list[list[int]] | None
     """Each pipeline stage's layer ids (None without pipeline parallelism)."""
+    cp_mode: CPMode
+    """parallelism.context_parallel_mode with `auto` resolved to the model's mode."""
+    hybrid_threshold: int
+    """The padded length from which hybrid CP splits a document (parallelism.hybrid_cp_threshold or T / cp)."""
+    pad_to_multiple: int
+    """data.pad_to_multiple, 0 resolved to what the CP mode needs."""
+    rule: RowRule
+    """The row counts every microbatch may have (data/rows.py)."""
+    cache_dir: str
+    """Where tokenised datasets are cached (data.cache_dir, default <dump_folder>/data_cache)."""
+    device: torch.device
+    """This process's device type (cpu on a fake-process-group dry run)."""
     precision: Precision
     """Master, compute and reduction dtypes on this machine (training.mixed_precision_param = auto resolved)."""
     compile: CompileDecision
     """training.compile on this machine for this run (`auto` resolved)."""
 
+    @property
+    def fake(self) -> bool:
+        """A fake-process-group dry run (comm.mode = fake): shapes and memory, no real collectives."""
+        return self.cfg.comm.mode == "fake"
 
-def check_inputs(cfg: Config, world_size: int) -> Inputs:
+    @property
+    def tokens_per_rank(self) -> int:
+        """Rows of one microbatch on one context-parallel rank."""
+        return self.cfg.training.tokens_per_microbatch // self.dims.cp
+
+    def layout(self, dp_rank: int) -> DataLayout:
+        """How replica `dp_rank` plans and cuts its data (data/dataloader.py)."""
+        t, p = self.cfg.training, self.cfg.parallelism
+        return DataLayout(
+            dp_rank=dp_rank,
+            dp=self.dims.dp,
+            cp=self.dims.cp,
+            rule=self.rule,
+            global_batch_size=t.global_batch_size,
+            seed=t.seed,
+            planner=t.planner,
+            cost_attention=t.planner_cost_attention or attention_cost_weight(self.spec, self.model_args),
+            # Interleaved1F1B runs microbatches in groups of pp (its deadlock-free order for any K keeps
+            # more of them in flight when K is not a multiple).
+            microbatch_group=self.dims.pp
+            if p.pipeline_parallel_schedule == "Interleaved1F1B" and self.dims.pp > 1
+            else None,
+            hybrid_threshold=self.hybrid_threshold if self.cp_mode == "hybrid" else 0,
+            pad_to_multiple=self.pad_to_multiple,
+        )
+
+
+def resolve_run(cfg: Config, world_size: int) -> Run:
     """`cfg` on `world_size` processes: every check that needs no process group, no data and no weights
-    (ValueError naming the field, the value and what is allowed). An empty model.flavor without
-    model.hf_path is set to the family's default flavor, and data.pad_to_multiple = 0 to what the CP
-    mode needs."""
-    t, p, job = cfg.training, cfg.parallelism, cfg.job
+    (ValueError naming the field, the value and what is allowed), and every decision they imply."""
     validate(cfg)
-    spec = get_model_spec(cfg.model.name)
-    if cfg.model.hf_path and spec.init_from_hf is None:
-        raise ValueError(
-            f"model.hf_path = {cfg.model.hf_path!r}: model {cfg.model.name} cannot be initialised from a "
-            "Hugging Face checkpoint (its ModelSpec has no init_from_hf hook); leave model.hf_path empty"
-        )
-    # An empty flavor with a checkpoint: the architecture is the checkpoint's config.json (read below,
-    # once the folder is known to exist); its args dataclass is the default flavor's.
-    from_hf = bool(cfg.model.hf_path) and not cfg.model.flavor
-    if from_hf and spec.hf_args is None:
-        raise ValueError(
-            f"model.flavor is empty: model {cfg.model.name} cannot read its architecture from "
-            f"model.hf_path = {cfg.model.hf_path!r}; give model.flavor (one of {', '.join(spec.flavors)})"
-        )
-    if not cfg.model.flavor and not from_hf:
-        # Named from here on (log header, checkpoint fingerprint): a run that leaves it empty resumes
-        # one that named the default and the other way round.
-        cfg.model.flavor = spec.default_flavor or next(iter(spec.flavors))
-    flavor_args = get_model_args(cfg.model.name, cfg.model.flavor)
-    label = model_label(cfg)
+    spec, flavor, label, tokenizer, model_args = _resolve_model(cfg)
+    _check_folders(cfg)
+    t, p = cfg.training, cfg.parallelism
     if t.compile is True and not torch.cuda.is_available() and not has_cpp_compiler():
         raise ValueError(
             "training.compile = true: torch.compile's CPU backend builds C++ kernels, and no C++ compiler "
             "(g++, c++ or clang++) is on PATH; install one or set training.compile = false"
         )
-    _check_folder("job.dump_folder", job.dump_folder, Path(job.dump_folder), writable=True)
-    if cfg.data.source != "packed":
-        key = "data.cache_dir" if cfg.data.cache_dir else "job.dump_folder"
-        _check_folder(key, cfg.data.cache_dir or job.dump_folder, Path(cache_dir(cfg)))
-    if cfg.checkpoint.enable:
-        folder = Path(job.dump_folder) / cfg.checkpoint.folder
-        _check_folder("checkpoint.folder", cfg.checkpoint.folder, folder)
+    cp_mode = resolve_mode(p.context_parallel_mode, cfg.model.name, spec.cp_mode)
+    pad, derived = cfg.data.pad_to_multiple, ""
+    if pad == 0:  # what the CP mode needs
+        pad = default_pad_to_multiple(p.context_parallel_degree, cp_mode)
+        derived = f" (the default for context_parallel_degree {p.context_parallel_degree})"
+    if t.tokens_per_microbatch % pad:
+        raise ValueError(
+            f"training.tokens_per_microbatch = {t.tokens_per_microbatch} is not a multiple of "
+            f"data.pad_to_multiple = {pad}{derived}"
+        )
+    stages = _check_parallelism(cfg, spec, model_args, label, pad)
+    try:
+        dims = ParallelDims.from_config(p, world_size)
+    except ValueError as e:
+        raise ValueError(
+            f"parallelism (data_parallel_replicate_degree {p.data_parallel_replicate_degree}, "
+            f"data_parallel_shard_degree {p.data_parallel_shard_degree}, context_parallel_degree "
+            f"{p.context_parallel_degree}, tensor_parallel_degree {p.tensor_parallel_degree}, "
+            f"pipeline_parallel_degree {p.pipeline_parallel_degree}, expert_parallel_degree "
+            f"{p.expert_parallel_degree}) does not fit {world_size} processes: {e}"
+        ) from None
+    rule = row_rule(  # the microbatches the loader can emit, T the largest of them
+        T=t.tokens_per_microbatch,
+        pad_to_multiple=pad,
+        cp=p.context_parallel_degree,
+        cp_mode=cp_mode,
+        tp=p.tensor_parallel_degree,
+        # Pipeline stages exchange fixed shapes: every microbatch has T rows.
+        fixed=not cfg.data.trim_padding or p.pipeline_parallel_degree > 1,
+        min_tokens_per_cp_rank=spec.min_tokens_per_cp_rank(model_args),
+        model=f"model {label}",
+    )
+    check_validation_path(cfg.validation, cfg.data.source)
+    device = torch.device("cpu") if cfg.comm.mode == "fake" else env_device()
+    precision = resolve_precision(
+        t.dtype, t.mixed_precision_param, t.mixed_precision_reduce, hardware.detect(device)
+    )
+    payback = spec.compile_payback_steps if spec.compile is not None else 0
+    return Run(
+        cfg=cfg,
+        spec=spec,
+        flavor=flavor,
+        model_label=label,
+        model_args=model_args,
+        tokenizer=tokenizer,
+        dims=dims,
+        stages=stages,
+        cp_mode=cp_mode,
+        hybrid_threshold=p.hybrid_cp_threshold or t.tokens_per_microbatch // p.context_parallel_degree,
+        pad_to_multiple=pad,
+        rule=rule,
+        cache_dir=cfg.data.cache_dir or os.path.join(cfg.job.dump_folder, "data_cache"),
+        device=device,
+        precision=precision,
+        compile=resolve_compile(t.compile, cfg.model.name, payback, t.steps, device.type),
+    )
+
+
+def _resolve_model(cfg: Config) -> tuple[ModelSpec, str, str, Tokenizer, Any]:
+    """(spec, flavor, label, tokenizer, model args) of the configured model; a checkpoint's config.json
+    and safetensors headers are read (never its weights)."""
+    m = cfg.model
+    spec = get_model_spec(m.name)
+    if m.hf_path and spec.init_from_hf is None:
+        raise ValueError(
+            f"model.hf_path = {m.hf_path!r}: model {m.name} cannot be initialised from a "
+            "Hugging Face checkpoint (its ModelSpec has no init_from_hf hook); leave model.hf_path empty"
+        )
+    # An empty flavor with a checkpoint: the architecture is the checkpoint's config.json (read below,
+    # once the folder is known to exist); its args dataclass is the default flavor's.
+    from_hf = bool(m.hf_path) and not m.flavor
+    if from_hf and spec.hf_args is None:
+        raise ValueError(
+            f"model.flavor is empty: model {m.name} cannot read its architecture from "
+            f"model.hf_path = {m.hf_path!r}; give model.flavor (one of {', '.join(spec.flavors)})"
+        )
+    # Named from here on (log header, checkpoint fingerprint): a run that leaves it empty resumes
+    # one that named the default and the other way round.
+    flavor = m.flavor or ("" if from_hf else spec.default_flavor or next(iter(spec.flavors)))
+    label = model_label(m.name, flavor, m.hf_path)
+    base_args = get_model_args(m.name, flavor)  # "": the default flavor's dataclass, replaced below
     tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.data.chat_template)
-    model_overrides = model_args_table(cfg.model.args, flavor_args, cfg.model.name)
-    if cfg.model.hf_path:  # the checkpoint fixes the embedding size
-        vocab_size = hf_vocab_size(cfg.model.hf_path, tokenizer.vocab_size)
+    overrides = model_args_table(m.args, base_args, m.name)
+    if m.hf_path:  # the checkpoint fixes the embedding size
+        vocab_size = hf_vocab_size(m.hf_path, tokenizer.vocab_size)
     else:  # a multiple of 64 rows (matmul-friendly; the extra ids are never seen)
         vocab_size = -(-tokenizer.vocab_size // 64) * 64
     if from_hf:
-        flavor_args = spec.hf_args(cfg.model.hf_path)
-    model_args = dataclasses.replace(flavor_args, vocab_size=vocab_size, **model_overrides)
-    if (
-        cfg.model.hf_path and spec.check_hf is not None
-    ):  # config.json and the safetensors headers only: before any weight is built or read
-        name = "its own config.json" if from_hf else f"model.flavor = {cfg.model.flavor!r}"
-        spec.check_hf(model_args, cfg.model.hf_path, name)
-    derived = ""
-    if cfg.data.pad_to_multiple == 0:  # what the CP mode needs; set here, before anything reads it
-        cfg.data.pad_to_multiple = default_pad_to_multiple(p, spec.cp_mode)
-        derived = f" (the default for context_parallel_degree {p.context_parallel_degree})"
-    if t.tokens_per_microbatch % cfg.data.pad_to_multiple:
-        raise ValueError(
-            f"training.tokens_per_microbatch = {t.tokens_per_microbatch} is not a multiple of "
-            f"data.pad_to_multiple = {cfg.data.pad_to_multiple}{derived}"
+        base_args = spec.hf_args(m.hf_path)
+    model_args = dataclasses.replace(base_args, vocab_size=vocab_size, **overrides)
+    if m.hf_path and spec.check_hf is not None:  # config.json and the safetensors headers only
+        spec.check_hf(
+            model_args, m.hf_path, "its own config.json" if from_hf else f"model.flavor = {flavor!r}"
         )
+    return spec, flavor, label, tokenizer, model_args
+
+
+def _check_folders(cfg: Config) -> None:
+    job = cfg.job
+    _check_folder("job.dump_folder", job.dump_folder, Path(job.dump_folder), writable=True)
+    if cfg.data.source != "packed":
+        key = "data.cache_dir" if cfg.data.cache_dir else "job.dump_folder"
+        _check_folder(key, cfg.data.cache_dir or job.dump_folder, Path(cfg.data.cache_dir or job.dump_folder))
+    if cfg.checkpoint.enable:
+        folder = Path(job.dump_folder) / cfg.checkpoint.folder
+        _check_folder("checkpoint.folder", cfg.checkpoint.folder, folder)
+
+
+def _check_parallelism(
+    cfg: Config, spec: ModelSpec, model_args: Any, label: str, pad_to_multiple: int
+) -> list[list[int]] | None:
+    """Each parallelism's own rules, then their combinations; returns the pipeline stages."""
+    t, p = cfg.training, cfg.parallelism
     validate_context_parallel(
         degree=p.context_parallel_degree,
         configured_mode=p.context_parallel_mode,
         model=label,
         model_mode=spec.cp_mode,
         tokens_per_microbatch=t.tokens_per_microbatch,
-        pad_to_multiple=cfg.data.pad_to_multiple,
+        pad_to_multiple=pad_to_multiple,
         min_tokens_per_rank=spec.min_tokens_per_cp_rank(model_args),
     )
     validate_tensor_parallel(
@@ -203,26 +327,7 @@ def check_inputs(cfg: Config, world_size: int) -> Inputs:
         model=label,
     )
     validate_combinations(cfg, spec, model_args)
-    try:
-        dims = ParallelDims.from_config(p, world_size)
-    except ValueError as e:
-        raise ValueError(
-            f"parallelism (data_parallel_replicate_degree {p.data_parallel_replicate_degree}, "
-            f"data_parallel_shard_degree {p.data_parallel_shard_degree}, context_parallel_degree "
-            f"{p.context_parallel_degree}, tensor_parallel_degree {p.tensor_parallel_degree}, "
-            f"pipeline_parallel_degree {p.pipeline_parallel_degree}, expert_parallel_degree "
-            f"{p.expert_parallel_degree}) does not fit {world_size} processes: {e}"
-        ) from None
-    microbatch_rule(cfg, spec, model_args)  # the microbatches the loader can emit, T the largest of them
-    check_validation_path(cfg.validation, cfg.data.source)
-    device = torch.device("cpu") if cfg.comm.mode == "fake" else env_device()
-    precision = resolve_precision(
-        t.dtype, t.mixed_precision_param, t.mixed_precision_reduce, hardware.detect(device)
-    )
-    payback = spec.compile_payback_steps if spec.compile is not None else 0
-    compile_choice = resolve_compile(t.compile, cfg.model.name, payback, t.steps, device.type)
-    t.compile = compile_choice.on  # resolved here, like the flavor: what builds the model reads a bool
-    return Inputs(spec, tokenizer, model_args, dims, stages, precision, compile_choice)
+    return stages
 
 
 def validate_combinations(cfg: Config, spec: ModelSpec, model_args: Any) -> None:
@@ -257,35 +362,15 @@ def validate_combinations(cfg: Config, spec: ModelSpec, model_args: Any) -> None
             )
 
 
-def microbatch_rule(cfg: Config, spec: ModelSpec, model_args: Any) -> RowRule:
-    """The row counts every microbatch may have (data/rows.py): start-up refuses a T that breaks the rule,
-    the training and validation loaders size every microbatch by it. Needs data.pad_to_multiple resolved
-    (check_inputs does that)."""
-    p = cfg.parallelism
-    return row_rule(
-        T=cfg.training.tokens_per_microbatch,
-        pad_to_multiple=cfg.data.pad_to_multiple,
-        cp=p.context_parallel_degree,
-        cp_mode=resolve_mode(p.context_parallel_mode, cfg.model.name, spec.cp_mode),
-        tp=p.tensor_parallel_degree,
-        # Pipeline stages exchange fixed shapes: every microbatch has T rows.
-        fixed=not cfg.data.trim_padding or p.pipeline_parallel_degree > 1,
-        min_tokens_per_cp_rank=spec.min_tokens_per_cp_rank(model_args),
-        model=f"model {model_label(cfg)}",
-    )
-
-
-def default_pad_to_multiple(p: Parallelism, model_mode: CPMode) -> int:
+def default_pad_to_multiple(cp_degree: int, cp_mode: CPMode) -> int:
     """data.pad_to_multiple = 0: 2 * cp where documents are zigzagged (zigzag, and hybrid's long ones),
     else 1 (contiguous CP splits rows, not documents)."""
-    mode = model_mode if p.context_parallel_mode == "auto" else p.context_parallel_mode
-    return 2 * p.context_parallel_degree if p.context_parallel_degree > 1 and mode != "contiguous" else 1
+    return 2 * cp_degree if cp_degree > 1 and cp_mode != "contiguous" else 1
 
 
-def model_label(cfg: Config) -> str:
+def model_label(name: str, flavor: str, hf_path: str) -> str:
     """How messages name the model: family and flavor, or the checkpoint whose config.json is read."""
-    m = cfg.model
-    return f"{m.name} {m.flavor}" if m.flavor else f"{m.name} (config.json of {m.hf_path})"
+    return f"{name} {flavor}" if flavor else f"{name} (config.json of {hf_path})"
 
 
 def model_args_table(table: dict[str, Any], flavor_args: Any, model: str) -> dict[str, Any]:
@@ -308,61 +393,26 @@ def model_args_table(table: dict[str, Any], flavor_args: Any, model: str) -> dic
     return out
 
 
-def hybrid_threshold(cfg: Config) -> int:
-    """The padded length from which hybrid CP splits a document (default T / cp)."""
-    p = cfg.parallelism
-    return p.hybrid_cp_threshold or cfg.training.tokens_per_microbatch // p.context_parallel_degree
-
-
-def data_layout(
-    cfg: Config, dims: ParallelDims, spec: ModelSpec, model_args: Any, dp_rank: int
-) -> DataLayout:
-    """How replica `dp_rank` plans and cuts its data under this layout (data/dataloader.py)."""
-    t, p = cfg.training, cfg.parallelism
-    mode = resolve_mode(p.context_parallel_mode, cfg.model.name, spec.cp_mode)
-    return DataLayout(
-        dp_rank=dp_rank,
-        dp=dims.dp,
-        cp=dims.cp,
-        rule=microbatch_rule(cfg, spec, model_args),
-        global_batch_size=t.global_batch_size,
-        seed=t.seed,
-        planner=t.planner,
-        cost_attention=t.planner_cost_attention or attention_cost_weight(spec, model_args),
-        # Interleaved1F1B runs microbatches in groups of pp (its deadlock-free order for any K keeps
-        # more of them in flight when K is not a multiple).
-        microbatch_group=dims.pp
-        if p.pipeline_parallel_schedule == "Interleaved1F1B" and dims.pp > 1
-        else None,
-        hybrid_threshold=hybrid_threshold(cfg) if mode == "hybrid" else 0,
-    )
-
-
-def cache_dir(cfg: Config) -> str:
-    """Where tokenised datasets are cached (data.cache_dir, default <dump_folder>/data_cache)."""
-    return cfg.data.cache_dir or os.path.join(cfg.job.dump_folder, "data_cache")
-
-
 def preflight(cfg: Config) -> None:
     """Read what a run of NGPU processes (env, default 1) would read before its first step, in this one
     process and without a process group: the configuration and layout, the tokenizer, the data (tokenised
     into the cache that the run then reuses), the Hugging Face config, the checkpoint to resume.
     run_train.sh runs it before torchrun, so that an input error is one line and not torchrun's failure
     report."""
-    inputs = check_inputs(cfg, env_world_size("NGPU"))
-    layout = data_layout(cfg, inputs.dims, inputs.spec, inputs.model_args, dp_rank=0)
+    run = resolve_run(cfg, env_world_size("NGPU"))
+    layout = run.layout(dp_rank=0)
     store = None
     if cfg.data.source != "packed":
         store, val_store = build_stores(
-            cfg.data, cfg.validation, inputs.tokenizer, cfg.training.seed, cache_dir(cfg), progress=True
+            cfg.data, cfg.validation, run.tokenizer, cfg.training.seed, run.cache_dir, progress=True
         )
         if val_store is not None:
             OrderedSteps(
-                val_store.view(layout.T, cfg.data.overlong), layout, pad_to_multiple=cfg.data.pad_to_multiple
+                val_store.view(layout.T, cfg.data.overlong), layout, pad_to_multiple=run.pad_to_multiple
             )
-    build_dataloader(dataclasses.replace(cfg.data, num_workers=0), store, layout, inputs.tokenizer)
+    build_dataloader(dataclasses.replace(cfg.data, num_workers=0), store, layout, run.tokenizer)
     if cfg.checkpoint.enable:  # the fingerprint has global shapes: a model on the meta device has them
-        model = build_on_meta(lambda: inputs.spec.build(inputs.model_args))
+        model = build_on_meta(lambda: run.spec.build(run.model_args))
         checkpointer = CheckpointManager(
             cfg.checkpoint,
             cfg.job.dump_folder,
@@ -370,13 +420,13 @@ def preflight(cfg: Config) -> None:
             optimizer=None,
             lr_schedulers=[],
             states={},
-            fingerprint=model_fingerprint([model], model=cfg.model.name, flavor=cfg.model.flavor),
+            fingerprint=model_fingerprint([model], model=cfg.model.name, flavor=run.flavor),
             settings=run_settings.run_settings(cfg),
-            layout=run_settings.run_layout(inputs.dims, cfg.training.steps),
+            layout=run_settings.run_layout(run.dims, cfg.training.steps),
         )
         checkpointer.check_resumable()
     check_outputs(cfg)
-    logger.info("preflight: inputs of a %d-process run are fine", inputs.dims.world_size)
+    logger.info("preflight: inputs of a %d-process run are fine", run.dims.world_size)
 
 
 def check_outputs(cfg: Config) -> None:

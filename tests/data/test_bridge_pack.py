@@ -77,6 +77,7 @@ def loader(path, T=PACK, replan=True, G=1):
             seed=0,
             planner="balanced",
             cost_attention=0.0,
+            pad_to_multiple=cfg.pad_to_multiple,
         ),
         tokenizer=TOK,
     )

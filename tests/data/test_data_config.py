@@ -9,7 +9,7 @@ import pytest
 
 from titan_thd.config import load_config
 from titan_thd.data.mock import mock_lengths
-from titan_thd.inputs import check_inputs
+from titan_thd.startup import resolve_run
 
 CP2 = ("--parallelism.context_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1")
 
@@ -27,8 +27,10 @@ CP2 = ("--parallelism.context_parallel_degree", "2", "--parallelism.data_paralle
 )
 def test_pad_to_multiple_defaults_to_what_the_cp_mode_needs(args, pad, tmp_path):
     cfg = load_config([*args, "--job.dump_folder", str(tmp_path)])
-    check_inputs(cfg, cfg.parallelism.context_parallel_degree)  # dp 1; the CP rules accept the value
-    assert cfg.data.pad_to_multiple == pad
+    before = repr(cfg)
+    run = resolve_run(cfg, cfg.parallelism.context_parallel_degree)  # dp 1; the CP rules accept the value
+    assert run.pad_to_multiple == run.layout(0).pad_to_multiple == pad
+    assert repr(cfg) == before  # resolved in the Run, the config as loaded
 
 
 def test_pad_to_multiple_refusals_name_the_numbers(tmp_path):
@@ -40,16 +42,16 @@ def test_pad_to_multiple_refusals_name_the_numbers(tmp_path):
         match=r"tokens_per_microbatch = 1000 is not a multiple of data.pad_to_multiple = 6 \(the default for "
         r"context_parallel_degree 3\)",
     ):
-        check_inputs(cfg, 3)
+        resolve_run(cfg, 3)
     cfg = load_config(["--training.tokens_per_microbatch", "100", "--data.pad_to_multiple", "8"])
     with pytest.raises(
         ValueError,
         match=r"training.tokens_per_microbatch = 100 is not a multiple of data.pad_to_multiple = 8$",
     ):
-        check_inputs(cfg, 1)  # an explicit value: no default to explain
+        resolve_run(cfg, 1)  # an explicit value: no default to explain
     cfg = load_config([*CP2, "--data.pad_to_multiple", "2", "--job.dump_folder", str(tmp_path)])
     with pytest.raises(ValueError, match=r"data.pad_to_multiple = 2 must be a multiple of 4"):
-        check_inputs(cfg, 2)  # an explicit wrong value is still refused
+        resolve_run(cfg, 2)  # an explicit wrong value is still refused
 
 
 def test_mock_config_from_a_json_file(tmp_path, monkeypatch):

@@ -47,6 +47,7 @@ def loader(dp_rank=0, dp_size=2, num_workers=0, start_step=0, store=STORE, rule=
             seed=SEED,
             planner="balanced",
             cost_attention=1e-3,
+            pad_to_multiple=cfg.pad_to_multiple,
         ),
         start_step=start_step,
     )
@@ -211,6 +212,7 @@ def test_dp_balanced_planner_and_bad_rank():
             seed=SEED,
             planner="dp_balanced",
             cost_attention=0.0,
+            pad_to_multiple=cfg.pad_to_multiple,
         ),
     )
     assert next(ld).num_microbatches >= 1

@@ -147,6 +147,7 @@ def packed_loader(path, dp_rank=0, dp_size=2, G=4, T_cfg=T, pad=MULT):
             seed=1,
             planner="balanced",
             cost_attention=0.0,
+            pad_to_multiple=cfg.pad_to_multiple,
         ),
     )
 

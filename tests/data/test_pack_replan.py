@@ -36,6 +36,7 @@ def loader(path, dp_rank, replan, T_cfg=T, pad=MULT, G=4):
             seed=1,
             planner="balanced",
             cost_attention=COST,
+            pad_to_multiple=cfg.pad_to_multiple,
         ),
     )
 

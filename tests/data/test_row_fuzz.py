@@ -1,10 +1,10 @@
 """Fuzz of the data path: every microbatch the loaders emit is legal for the layout that start-up accepted.
 
-For every model x CP mode x CP degree 1-8 x TP 1-2 x PP 1-3 (dsv4 also EP 2) that `check_inputs` accepts,
+For every model x CP mode x CP degree 1-8 x TP 1-2 x PP 1-3 (dsv4 also EP 2) that `resolve_run` accepts,
 at the smallest T it accepts and a larger one, steps are drawn from adversarial length distributions
 (every document 1-3 tokens, documents of exactly T, longer than T truncated or dropped, zero-length
 documents, fewer documents than replicas x microbatches, offline packs of nearly empty rows, planned row
-by row or again) through the production builders (`data_layout`, `build_dataloader`, the validation and pack steps), and each emitted
+by row or again) through the production builders (`Run.layout`, `build_dataloader`, the validation and pack steps), and each emitted
 microbatch is checked against the rules of the consumers themselves, not against `RowRule`: the CP split
 of every rank (`partition`), the dsv4 attention's index plan of every rank (`build_plan`, which refuses
 what the model cannot compute, e.g. a shard below its CP halo), equal sequence-parallel shares on every
@@ -27,9 +27,8 @@ from titan_thd.data.cp_partition import partition
 from titan_thd.data.dataloader import OrderedSteps, PackedRowSteps, RepackedSteps, build_dataloader
 from titan_thd.data.packed_dataset import PackedRows
 from titan_thd.data.token_store import MockTokenStore
-from titan_thd.inputs import check_inputs, data_layout, hybrid_threshold, microbatch_rule
 from titan_thd.models.dsv4.plans import build_plan
-from titan_thd.parallel.context_parallel import resolve_mode
+from titan_thd.startup import resolve_run
 
 DP = 2
 MODELS = {"llama": ("debug",), "dsv4": ("micro", "flash")}
@@ -48,9 +47,9 @@ def config(model, flavor, mode, cp, tp, pp, ep, T, trim=True):
 
 
 def accepted(cfg):
-    """(spec, args, dims) when start-up accepts cfg, else None."""
+    """The Run when start-up accepts cfg, else None."""
     try:
-        inputs = check_inputs(
+        return resolve_run(
             cfg,
             DP
             * cfg.parallelism.context_parallel_degree
@@ -59,11 +58,10 @@ def accepted(cfg):
         )
     except ValueError:
         return None
-    return inputs.spec, inputs.model_args, inputs.dims
 
 
 def layouts(model):
-    """Every accepted (config, spec, args, dims) of `model`: at the smallest accepted T, trimmed, and
+    """Every accepted (config, Run) of `model`: at the smallest accepted T, trimmed, and
     without pipeline parallelism also at 4x it and untrimmed (under PP every microbatch has T rows)."""
     for flavor, mode, cp, tp, pp in itertools.product(
         MODELS[model], MODES[model], range(1, 9), (1, 2), (1, 2, 3)
@@ -78,7 +76,7 @@ def layouts(model):
             if found is None:  # e.g. tp does not divide the model's heads
                 continue
             # The smallest T of this layout: a microbatch of the fewest rows the loader may emit.
-            smallest = microbatch_rule(cfg, found[0], found[1]).minimum
+            smallest = found.rule.minimum
             variants = (
                 ((smallest, True), (2 * smallest, True), (smallest, False))
                 if pp == 1
@@ -88,7 +86,7 @@ def layouts(model):
                 cfg = config(model, flavor, mode, cp, tp, pp, ep, T, trim)
                 found = accepted(cfg)
                 assert found is not None, f"accepted at T = {big} but not at {T}: {cfg.parallelism}"
-                yield (cfg, *found)
+                yield cfg, found
 
 
 def distributions(T, rng):
@@ -122,8 +120,8 @@ def distributions(T, rng):
 class Checker:
     """The consumers' own rules for one layout; counts what it saw."""
 
-    def __init__(self, cfg, spec, args, dims):
-        p = cfg.parallelism
+    def __init__(self, cfg, run):
+        p, spec, args = cfg.parallelism, run.spec, run.model_args
         self.cfg, self.spec, self.args, self.model = cfg, spec, args, cfg.model.name
         self.T, self.cp, self.tp, self.pp = (
             cfg.training.tokens_per_microbatch,
@@ -131,8 +129,7 @@ class Checker:
             p.tensor_parallel_degree,
             p.pipeline_parallel_degree,
         )
-        self.mode = resolve_mode(p.context_parallel_mode, cfg.model.name, spec.cp_mode)
-        self.threshold = hybrid_threshold(cfg)
+        self.mode, self.threshold, self.pad = run.cp_mode, run.hybrid_threshold, run.pad_to_multiple
         self.min_local = spec.min_tokens_per_cp_rank(args)
         self.fixed = self.pp > 1 or not cfg.data.trim_padding
         self.seen, self.rng = Counter(), np.random.default_rng(self.cp * 100 + self.tp * 10 + self.pp)
@@ -147,7 +144,7 @@ class Checker:
     def microbatch(self, mb):
         self.seen["microbatches"] += 1
         rows = mb.total_tokens
-        mb.validate(self.cfg.data.pad_to_multiple)
+        mb.validate(self.pad)
         assert 1 <= rows <= self.T
         if self.fixed:  # pipeline P2P buffers / trim_padding = false: static shapes
             assert rows == self.T, (rows, self.T)
@@ -195,39 +192,37 @@ def packed_rows(T, pad, lengths, rng):
 def test_every_emitted_microbatch_is_legal_for_every_accepted_layout(model):
     rng = np.random.default_rng(0)
     totals, layouts_seen = Counter(), Counter()
-    for cfg, spec, args, dims in layouts(model):
+    for cfg, run in layouts(model):
         layouts_seen[cfg.model.name] += 1
-        T, check = cfg.training.tokens_per_microbatch, Checker(cfg, spec, args, dims)
+        T, check, pad = cfg.training.tokens_per_microbatch, Checker(cfg, run), run.pad_to_multiple
         # Every layout draws the crumbs (the shortest microbatches) and the packs, and 3 of the other 7
         # distributions in turn: each of them still meets every CP degree, TP and PP degree.
         dists = list(distributions(T, rng))
         picked = [dists[0]] + [dists[1 + (len(layouts_seen) * 3 + k) % 7] for k in range(3)]
         for name, lengths, overlong, G in picked:
-            run = dataclasses.replace(
+            this = dataclasses.replace(
                 cfg,
                 data=dataclasses.replace(cfg.data, overlong=overlong),
                 training=dataclasses.replace(cfg.training, global_batch_size=G),
             )
             store = MockTokenStore(lengths, _TOK, seed=1)
-            layouts_of = [data_layout(run, dims, spec, args, dp_rank=r) for r in range(DP)]
+            layouts_of = [dataclasses.replace(run, cfg=this).layout(r) for r in range(DP)]
             try:
-                loaders = [build_dataloader(run.data, store, lay, _TOK) for lay in layouts_of]
+                loaders = [build_dataloader(this.data, store, lay, _TOK) for lay in layouts_of]
             except ValueError:  # refused before the first step (e.g. nothing to train within T)
                 totals["refused at start-up"] += 1
                 continue
             for loader in loaders:
                 check.step(loader.steps[int(rng.integers(100))])
             validation = store.view(T, overlong)
-            check.step(OrderedSteps(validation, layouts_of[0], pad_to_multiple=cfg.data.pad_to_multiple)[0])
+            check.step(OrderedSteps(validation, layouts_of[0], pad_to_multiple=pad)[0])
         # Offline packs whose rows are nearly empty, row by row and planned again.
-        rows = packed_rows(T, cfg.data.pad_to_multiple, rng.integers(1, min(3, T) + 1, 24), rng)
+        rows = packed_rows(T, pad, rng.integers(1, min(3, T) + 1, 24), rng)
         packs = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, global_batch_size=2 * DP))
         for dp_rank in range(DP):
-            lay = data_layout(packs, dims, spec, args, dp_rank=dp_rank)
+            lay = dataclasses.replace(run, cfg=packs).layout(dp_rank)
             check.step(PackedRowSteps(rows, lay, shuffle=True)[0])
-            again = RepackedSteps(
-                rows, lay, pad_to_multiple=cfg.data.pad_to_multiple, overlong="truncate", shuffle=True
-            )
+            again = RepackedSteps(rows, lay, pad_to_multiple=pad, overlong="truncate", shuffle=True)
             check.step(again[1])
         totals += check.seen
     print(f"fuzz {model}: {sum(layouts_seen.values())} layouts, {dict(totals)}")

@@ -6,7 +6,7 @@ import pytest
 
 from titan_thd.config import load_config
 from titan_thd.data.rows import RowRule, full_rows, row_rule
-from titan_thd.inputs import check_inputs, microbatch_rule
+from titan_thd.startup import resolve_run
 
 
 def test_worked_rules():
@@ -60,17 +60,16 @@ def test_an_offline_pack_multiple_and_the_refusals():
 
 
 def test_start_up_and_the_loader_share_the_rule(tmp_path):
-    """`check_inputs` refuses a T that the loader's rule could not hold, with the numbers."""
+    """`resolve_run` refuses a T that the loader's rule could not hold, with the numbers."""
     base = ["--model.name", "dsv4", "--model.flavor", "micro", "--job.dump_folder", str(tmp_path)]
     cfg = load_config(
         [*base, "--training.tokens_per_microbatch", "256", "--parallelism.context_parallel_degree", "4"]
     )
-    inputs = check_inputs(cfg, 4)
-    spec, args = inputs.spec, inputs.model_args
-    rule = microbatch_rule(cfg, spec, args)
+    run = resolve_run(cfg, 4)
+    args, rule = run.model_args, run.rule
     assert (rule.multiple, rule.minimum, rule.fixed) == (4, 4 * args.halo, False)
+    assert run.layout(0).rule is rule  # the loader cuts by the rule start-up checked
     cfg = load_config(
         [*base, "--training.tokens_per_microbatch", "256", "--parallelism.pipeline_parallel_degree", "2"]
     )
-    inputs = check_inputs(cfg, 2)
-    assert microbatch_rule(cfg, inputs.spec, inputs.model_args).fixed  # pipeline stages exchange fixed shapes
+    assert resolve_run(cfg, 2).rule.fixed  # pipeline stages exchange fixed shapes

@@ -9,7 +9,7 @@ import torch
 from tests._dist import spawn
 from tests.ops.test_varlen_attention import doc_rows, packed_meta
 from titan_thd.components.loss import cross_entropy_sum
-from titan_thd.config import ActivationCheckpoint, Parallelism, Training
+from titan_thd.config import ActivationCheckpoint
 from titan_thd.data.batch_meta import BatchMeta
 from titan_thd.data.packed_batch import IGNORE_INDEX
 from titan_thd.models import get_model_spec
@@ -139,9 +139,7 @@ def test_tp_plan_names_real_modules():
         parallelize_llama(
             model,
             dims,
-            parallelism=Parallelism(),
-            training=Training(),
-            activation_checkpoint=ActivationCheckpoint(),
+            ac=ActivationCheckpoint(),
         )
         is model
     )
@@ -174,9 +172,7 @@ def _fsdp_vs_one_process(rank: int, world_size: int) -> float:
     model = parallelize_llama(
         build_llama(TINY).double(),
         dims,
-        parallelism=Parallelism(),
-        training=Training(),
-        activation_checkpoint=ActivationCheckpoint(),
+        ac=ActivationCheckpoint(),
     )
     tokens, meta = _microbatches()[rank]
     cross_entropy_sum(model(tokens, meta).logits, _labels(tokens, meta)).backward()

@@ -63,9 +63,7 @@ def _prepared(name: str, base: torch.nn.Module, ac: ActivationCheckpoint) -> tor
     spec = get_model_spec(name)
     dims = ParallelDims(pp=1, dp_shard=1, cp=1, tp=1, world_size=1)
     model = copy.deepcopy(base)
-    return spec.parallelize(
-        model, dims, parallelism=Parallelism(), training=Training(), activation_checkpoint=ac
-    ).train()
+    return spec.parallelize(model, dims, ac=ac).train()
 
 
 def _step(model: torch.nn.Module, vocab: int) -> dict:

@@ -7,7 +7,7 @@ World order (pp, dp_replicate, dp_shard, cp, tp), tp fastest: rank = (((p R + r)
 import pytest
 from torch.distributed.tensor import DTensor, Shard
 
-from titan_thd.config import ActivationCheckpoint, Parallelism, Training
+from titan_thd.config import ActivationCheckpoint
 from titan_thd.models.dsv4.args import flavors
 from titan_thd.models.dsv4.model import build_dsv4
 from titan_thd.models.dsv4.parallelize import parallelize_dsv4
@@ -65,9 +65,7 @@ def test_dsv4_experts_under_tp_ep_hsdp(dims):
     model = parallelize_dsv4(
         build_on_meta(lambda: build_dsv4(args)),
         dims,
-        parallelism=Parallelism(),
-        training=Training(),
-        activation_checkpoint=ActivationCheckpoint(),
+        ac=ActivationCheckpoint(),
     )
     experts = model.layers["1"].ffn.experts
     E, F, D = args.n_experts, args.moe_inter_dim, args.dim

@@ -7,14 +7,14 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
-from titan_thd.config import ActivationCheckpoint, Parallelism, Training, load_config
-from titan_thd.inputs import check_inputs
+from titan_thd.config import ActivationCheckpoint, load_config
 from titan_thd.models.dsv4.args import flavors
 from titan_thd.models.dsv4.model import build_dsv4
 from titan_thd.models.dsv4.parallelize import parallelize_dsv4
 from titan_thd.parallel import distributed
 from titan_thd.parallel.fsdp import build_on_meta, estimate_memory_per_rank, largest_unsharded_unit_bytes
 from titan_thd.parallel.parallel_dims import ParallelDims
+from titan_thd.startup import resolve_run
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -61,9 +61,7 @@ def test_dsv4_experts_sharded_over_efsdp(fake_world):
     model = parallelize_dsv4(
         build_on_meta(lambda: build_dsv4(args)),
         dims,
-        parallelism=Parallelism(),
-        training=Training(),
-        activation_checkpoint=ActivationCheckpoint(),
+        ac=ActivationCheckpoint(),
     )
     local = 0
     for name, p in model.named_parameters():
@@ -125,7 +123,7 @@ def _cfg(tmp_path, *extra):
 )
 def test_bad_expert_parallel_degree(tmp_path, world, extra, message):
     with pytest.raises(ValueError, match=message):
-        check_inputs(_cfg(tmp_path, *extra), world)
+        resolve_run(_cfg(tmp_path, *extra), world)
 
 
 def test_expert_parallel_needs_experts(tmp_path):
@@ -142,4 +140,4 @@ def test_expert_parallel_needs_experts(tmp_path):
     with pytest.raises(
         ValueError, match=r"expert_parallel_degree = 2: model llama debug has no routed experts"
     ):
-        check_inputs(cfg, 2)
+        resolve_run(cfg, 2)

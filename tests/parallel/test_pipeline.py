@@ -19,12 +19,12 @@ from titan_thd.components.loss import cross_entropy_sum
 from titan_thd.config import load_config
 from titan_thd.data.batch_meta import BatchMeta
 from titan_thd.data.packer import pack_microbatch
-from titan_thd.inputs import check_inputs
 from titan_thd.models.llama import spec as LLAMA
 from titan_thd.models.llama.args import LlamaArgs
 from titan_thd.models.llama.model import build_llama
 from titan_thd.pipeline.schedule import PipelineSchedule, StageInput, max_in_flight, rank_actions, timetable
 from titan_thd.pipeline.split import chunk_views, split_model, stage_layers
+from titan_thd.startup import resolve_run
 
 
 # ============================================================================ split and errors
@@ -107,7 +107,7 @@ def test_config_errors(overrides, message, tmp_path):
         cfg = load_config(
             ["--parallelism.pipeline_parallel_degree", "4", "--job.dump_folder", str(tmp_path), *overrides]
         )
-        check_inputs(cfg, 4)
+        resolve_run(cfg, 4)
 
 
 # ============================================================================ schedule vs one process

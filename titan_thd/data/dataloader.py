@@ -42,7 +42,7 @@ from titan_thd.data.rows import RowRule
 @dataclass(frozen=True)
 class DataLayout:
     """How one data-parallel replica's data is planned and cut: computed once at start-up from the
-    config, the parallel layout and the model (`titan_thd.inputs.data_layout`), the same on every
+    config, the parallel layout and the model (`titan_thd.startup.Run.layout`), the same on every
     rank except `dp_rank`."""
 
     dp_rank: int
@@ -63,6 +63,8 @@ class DataLayout:
     """Microbatches per replica come in multiples of this (Interleaved1F1B: pp)."""
     hybrid_threshold: int = 0
     """> 0 under hybrid CP: the planner balances what each CP rank really carries (data/planner.py)."""
+    pad_to_multiple: int = 1
+    """Each document's rows are a multiple of this (data.pad_to_multiple, 0 resolved at start-up)."""
 
     @property
     def T(self) -> int:
@@ -351,7 +353,7 @@ def build_dataloader(
     another tokenizer."""
     steps: _Steps
     if data_cfg.source == "packed":
-        rows = open_pack(data_cfg.path, 1 if data_cfg.packed_replan else data_cfg.pad_to_multiple, tokenizer)
+        rows = open_pack(data_cfg.path, 1 if data_cfg.packed_replan else layout.pad_to_multiple, tokenizer)
         if tokenizer is not None and (rows.vocab_size, rows.pad_id) != (
             tokenizer.vocab_size,
             tokenizer.pad_id,
@@ -365,7 +367,7 @@ def build_dataloader(
             steps = RepackedSteps(
                 rows,
                 layout,
-                pad_to_multiple=data_cfg.pad_to_multiple,
+                pad_to_multiple=layout.pad_to_multiple,
                 overlong=data_cfg.overlong,
                 shuffle=data_cfg.shuffle,
             )
@@ -375,7 +377,7 @@ def build_dataloader(
         steps = PlannedSteps(
             store.view(layout.T, data_cfg.overlong),
             layout,
-            pad_to_multiple=data_cfg.pad_to_multiple,
+            pad_to_multiple=layout.pad_to_multiple,
             shuffle=data_cfg.shuffle,
         )
     return THDDataLoader(steps, data_cfg.num_workers, start_step)

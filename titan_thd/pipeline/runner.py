@@ -1,12 +1,12 @@
 """The front door of the model's execution: one `build` for every layout, one runner interface.
 
-    parts = build(model, spec, dims, parallelism=p, training=t, activation_checkpoint=ac, layers=layers, ...)
+    parts = build(model, spec, dims, stages=run.stages, compile=run.compile.on, ac=cfg.activation_checkpoint, ...)
     ce_sum, aux_sums = parts.runner.step(inputs, num_trained)   # forward + backward of a step
     ce_sum = parts.runner.forward_only(inputs)                   # validation
     clip_grad_norm_(parts.runner.norm_params(), ..., pp_group=parts.runner.pp_group,
                     also_scale=parts.runner.also_scale)
 
-`build` cuts the model into this rank's pipeline stages when `layers` is given (split.py; the model's
+`build` cuts the model into this rank's pipeline stages when `stages` is given (split.py; the model's
 `PipelineSpec` says what sits where), runs the model's `parallelize` on each chunk (TP, EP, compile,
 activation recomputation, FSDP: its own fixed sequence; so `activation_checkpoint.layers` counts the
 blocks of each stage) and returns the rank's module (which owns the parameters: optimizer,
@@ -24,6 +24,9 @@ import torch
 from torch import nn
 
 from titan_thd.components.loss import cross_entropy_sum, loss_context
+from titan_thd.components.precision import Precision
+from titan_thd.config import ActivationCheckpoint
+from titan_thd.config.choices import Schedule
 from titan_thd.models.spec import ModelSpec, count_params
 from titan_thd.parallel.fsdp import materialize_sharded
 from titan_thd.parallel.parallel_dims import ParallelDims
@@ -32,8 +35,6 @@ from titan_thd.pipeline.schedule import PipelineSchedule, StageInput, tied_group
 from titan_thd.pipeline.split import chunk_views, split_model
 
 if TYPE_CHECKING:
-    from titan_thd.components.precision import Precision
-    from titan_thd.config import ActivationCheckpoint, Parallelism, Training
     from titan_thd.data.packed_batch import PackedBatch
 
 
@@ -111,58 +112,49 @@ def build(
     spec: ModelSpec,
     dims: ParallelDims,
     *,
-    parallelism: Parallelism,
-    training: Training,
-    activation_checkpoint: ActivationCheckpoint,
     model_args,
-    layers: list[list[int]] | None,
-    device: torch.device,
+    stages: list[list[int]] | None,
+    schedule: Schedule,
+    tokens_per_microbatch: int,
+    compile: bool,
+    ac: ActivationCheckpoint,
     precision: Precision,
+    device: torch.device,
     fake: bool = False,
 ) -> ModelParts:
-    """This rank's part of the full `model` under the layout (`layers`: each pipeline stage's layer
-    ids, None without pipeline parallelism), on `device`, with its runner; the stages exchange
-    activations and their gradients in the compute dtype. Every rank must call it (process groups
+    """This rank's part of the full `model` under the layout (`stages`: each pipeline stage's layer
+    ids, None without pipeline parallelism; `schedule`: the pipeline schedule's name), on `device`,
+    with its runner; the stages exchange activations and their gradients in the compute dtype. Every rank must call it (process groups
     of tied weights are created collectively)."""
     chunks, tied = [model], ()
-    if layers is not None:  # keep this rank's stages only (before sharding them over dp x cp)
+    if stages is not None:  # keep this rank's stages only (before sharding them over dp x cp)
         assert spec.pipeline is not None, spec.name  # validate_pipeline refused it at start-up
         pp_rank, pp = dims.mesh_rank("pp"), dims.pp
         tied = spec.pipeline.tied(model)
-        model = split_model(spec.pipeline, model, layers, pp_rank, pp, tied)
-        chunks = chunk_views(spec.pipeline, model, layers, pp_rank, pp, tied)
+        model = split_model(spec.pipeline, model, stages, pp_rank, pp, tied)
+        chunks = chunk_views(spec.pipeline, model, stages, pp_rank, pp, tied)
     num_params = count_params(model)
     if spec.parallelize is not None:  # each chunk is sharded as a model of its own
-        chunks = [
-            spec.parallelize(
-                c,
-                dims,
-                parallelism=parallelism,
-                training=training,
-                activation_checkpoint=activation_checkpoint,
-                precision=precision,
-            )
-            for c in chunks
-        ]
+        chunks = [spec.parallelize(c, dims, compile=compile, ac=ac, precision=precision) for c in chunks]
     if fake:
         materialize_sharded(model)
     model = model.to(device).train()
-    if layers is None:
+    if stages is None:
         return ModelParts(model, LocalRunner(model, dims.tp_enabled, device), num_params)
     on_end = pp_rank in (0, pp - 1)
     tied_group = tied_groups(dims) if tied else None
-    schedule = PipelineSchedule(
+    runner = PipelineSchedule(
         chunks,
         pp_rank,
         pp,
         dims.get_mesh("pp").get_group(),
-        parallelism.pipeline_parallel_schedule,
+        schedule,
         # Under tensor parallelism the boundary carries this tp rank's sequence-parallel rows.
-        spec.pipeline.boundary_shape(model_args, training.tokens_per_microbatch // dims.cp // dims.tp),
+        spec.pipeline.boundary_shape(model_args, tokens_per_microbatch // dims.cp // dims.tp),
         precision.compute,
         device,
         tied=[q for n in tied for q in getattr(model, n).parameters()] if on_end else [],
         tied_group=tied_group if on_end else None,
         tensor_parallel=dims.tp_enabled,
     )
-    return ModelParts(model, schedule, num_params)
+    return ModelParts(model, runner, num_params)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from tests._dist import spawn
 from tests.models.dsv4._util import meta, micro, packed
-from titan_thd.config import ActivationCheckpoint, Parallelism, Training
+from titan_thd.config import ActivationCheckpoint
 from titan_thd.models.dsv4 import build_dsv4, parallelize_dsv4, spec
 from titan_thd.parallel.parallel_dims import ParallelDims
 
@@ -39,9 +39,7 @@ def _fsdp_vs_one_process(rank: int, world_size: int) -> tuple[float, float]:
     model = parallelize_dsv4(
         build_dsv4(micro()).double(),
         dims,
-        parallelism=Parallelism(),
-        training=Training(),
-        activation_checkpoint=ActivationCheckpoint(),
+        ac=ActivationCheckpoint(),
     ).train()
     _loss(model, rank).backward()
     spec.after_optimizer_step(model, dims.get_optional_mesh("loss").get_group())

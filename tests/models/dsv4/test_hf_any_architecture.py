@@ -16,9 +16,9 @@ import torch
 from tests.conftest import TRAIN_ARGS
 from tests.models.dsv4._util import assert_loaded_and_first_ce
 from titan_thd.config import load_config
-from titan_thd.inputs import check_inputs
 from titan_thd.models.dsv4 import DSv4Args, build_dsv4, export_hf, flavors
 from titan_thd.models.llama.args import flavors as llama_flavors
+from titan_thd.startup import resolve_run
 from titan_thd.train import Trainer
 
 ARGS = DSv4Args(
@@ -95,8 +95,8 @@ def test_an_explicit_flavor_must_match_and_no_flavor_without_checkpoint_is_the_d
     with pytest.raises(
         ValueError, match=r"config.json does not match model.flavor = 'tiny': .*dim: checkpoint 96 vs 256"
     ):
-        check_inputs(_cfg(tmp_path, "--model.hf_path", str(path), "--model.flavor", "tiny"), 1)
-    args = check_inputs(_cfg(tmp_path), 1).model_args  # no checkpoint: dsv4's default flavor
+        resolve_run(_cfg(tmp_path, "--model.hf_path", str(path), "--model.flavor", "tiny"), 1)
+    args = resolve_run(_cfg(tmp_path), 1).model_args  # no checkpoint: dsv4's default flavor
     assert args == dataclasses.replace(flavors["tiny"], vocab_size=320)
-    args = check_inputs(load_config([*TRAIN_ARGS, "--job.dump_folder", str(tmp_path)]), 1).model_args
+    args = resolve_run(load_config([*TRAIN_ARGS, "--job.dump_folder", str(tmp_path)]), 1).model_args
     assert args == dataclasses.replace(llama_flavors["debug"], vocab_size=320)  # llama's default flavor

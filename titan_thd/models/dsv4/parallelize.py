@@ -23,7 +23,6 @@ the LM head are vocabulary-parallel.
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING
 
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
@@ -34,6 +33,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from titan_thd.components.precision import Precision
+from titan_thd.config import ActivationCheckpoint
 from titan_thd.models.compile import compiled
 from titan_thd.models.dsv4.attention import Attention
 from titan_thd.models.dsv4.block import Block
@@ -54,27 +55,22 @@ from titan_thd.parallel.tensor_parallel import (
     present,
 )
 
-if TYPE_CHECKING:
-    from titan_thd.components.precision import Precision
-    from titan_thd.config import ActivationCheckpoint, Parallelism, Training
-
 
 def parallelize_dsv4(
     model: DSv4Model,
     parallel_dims: ParallelDims,
     *,
-    parallelism: Parallelism,
-    training: Training,
-    activation_checkpoint: ActivationCheckpoint,
+    compile: bool = False,
+    ac: ActivationCheckpoint,
     precision: Precision | None = None,
 ) -> DSv4Model:
     """The model (or one pipeline chunk of it) under the layout of `parallel_dims`."""
     apply_tp(model, parallel_dims)
     expert_units = apply_ep(model, parallel_dims)
-    if training.compile is True:  # `auto` is resolved at start-up (inputs.py); unresolved it is off
+    if compile:  # training.compile as start-up resolved it
         apply_compile(model)
     # After the compile: it swaps in the compiled forms of the functions the regions wrap.
-    apply_ac(model, activation_checkpoint)
+    apply_ac(model, ac)
     apply_fsdp(model, parallel_dims, precision, expert_units)
     return model
 

@@ -7,8 +7,6 @@ vocabulary-parallel LM head (components/loss.py computes the loss on its `Shard(
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -20,6 +18,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from titan_thd.components.precision import Precision
+from titan_thd.config import ActivationCheckpoint
 from titan_thd.models.compile import compiled
 from titan_thd.models.llama.model import FeedForward, Llama, swiglu
 from titan_thd.parallel.activation_checkpoint import blocks_to_wrap
@@ -27,25 +27,20 @@ from titan_thd.parallel.parallel_dims import ParallelDims
 from titan_thd.parallel.recompute import checkpoint_module
 from titan_thd.parallel.tensor_parallel import present
 
-if TYPE_CHECKING:
-    from titan_thd.components.precision import Precision
-    from titan_thd.config import ActivationCheckpoint, Parallelism, Training
-
 
 def parallelize_llama(
     model: Llama,
     parallel_dims: ParallelDims,
     *,
-    parallelism: Parallelism,
-    training: Training,
-    activation_checkpoint: ActivationCheckpoint,
+    compile: bool = False,
+    ac: ActivationCheckpoint,
     precision: Precision | None = None,
 ) -> Llama:
     """The model (or one pipeline chunk of it) under the layout of `parallel_dims`."""
     apply_tp(model, parallel_dims)
-    if training.compile is True:  # `auto` is resolved at start-up (inputs.py); unresolved it is off
+    if compile:  # training.compile as start-up resolved it
         apply_compile(model)
-    apply_ac(model, activation_checkpoint)
+    apply_ac(model, ac)
     apply_fsdp(model, parallel_dims, precision)
     return model
 
