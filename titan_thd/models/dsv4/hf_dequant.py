@@ -21,6 +21,8 @@ import logging
 
 import torch
 
+from titan_thd.models.hf_io import SafetensorsFolder, Source, Stored
+
 logger = logging.getLogger(__name__)
 
 _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -79,6 +81,30 @@ def _scale_values(scale: torch.Tensor) -> torch.Tensor:
     return scale.float()
 
 
+def block_shape(key: str, rows: int, cols: int, grid: tuple[int, ...], block: tuple[int, int] | None):
+    """(rows, cols) of one scale block of a `rows x cols` weight with a `grid` of scales (ValueError
+    naming `key` when the grid does not tile the weight)."""
+    # The grid rounds up, so it alone does not give the block (DeepSeek-V3's [576, 7168] weights have a
+    # [5, 56] grid): the configured block comes first; a grid that divides the weight gives the rest
+    # (the 1 x 32 blocks of packed FP4 experts).
+    if block is not None and (-(-rows // block[0]), -(-cols // block[1])) == tuple(grid):
+        return block
+    if rows % grid[0] == 0 and cols % grid[1] == 0:
+        return rows // grid[0], cols // grid[1]
+    raise ValueError(
+        f"{key}: scale grid {tuple(grid)} does not tile the weight's {rows} x {cols} values "
+        f"(weight_block_size {list(block) if block else None})"
+    )
+
+
+def _expand(scale: torch.Tensor, bm: int, bn: int, r0: int, c0: int, rows: int, cols: int) -> torch.Tensor:
+    """The scale of every element of the `rows x cols` box at (r0, c0) of a weight, from the rows and
+    columns of the grid that cover it (the grid's first row / column is block r0 // bm / c0 // bn)."""
+    s = _scale_values(scale).repeat_interleave(bm, dim=-2)
+    s = s[..., r0 - r0 // bm * bm : r0 - r0 // bm * bm + rows, :].repeat_interleave(bn, dim=-1)
+    return s[..., c0 - c0 // bn * bn : c0 - c0 // bn * bn + cols]
+
+
 def dequantize_tensor(
     key: str, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None
 ) -> torch.Tensor:
@@ -89,22 +115,69 @@ def dequantize_tensor(
             f"{key}: scale grid {tuple(scale.shape)} does not fit the weight {tuple(values.shape)}"
         )
     rows, cols = values.shape[-2:]
-    grid = tuple(scale.shape[-2:])
-    # The grid rounds up, so it alone does not give the block (DeepSeek-V3's [576, 7168] weights have a
-    # [5, 56] grid): the configured block comes first; a grid that divides the weight gives the rest
-    # (the 1 x 32 blocks of packed FP4 experts).
-    if block is not None and (-(-rows // block[0]), -(-cols // block[1])) == grid:
-        bm, bn = block
-    elif rows % grid[0] == 0 and cols % grid[1] == 0:
-        bm, bn = rows // grid[0], cols // grid[1]
-    else:
+    bm, bn = block_shape(key, rows, cols, tuple(scale.shape[-2:]), block)
+    return values * _expand(scale, bm, bn, 0, 0, rows, cols)
+
+
+class Quantized(Source):
+    """A block-quantised weight and its scale grid in a folder: a box reads the codes it covers and
+    the grid's blocks that cover those (value x scale in float32, exactly what `dequantize_tensor`
+    computes for these elements)."""
+
+    def __init__(self, weight: Stored, scale: Stored, block: tuple[int, int] | None):
+        packed = weight.dtype in _PACKED
+        shape = (*weight.shape[:-1], 2 * weight.shape[-1]) if packed else weight.shape
+        if len(shape) < 2 or len(scale.shape) != len(shape) or scale.shape[:-2] != shape[:-2]:
+            raise ValueError(
+                f"{weight}: scale grid {scale.shape} ({scale.name}) does not fit the weight {shape}"
+            )
+        self.weight, self.scale, self.packed, self.shape = weight, scale, packed, shape
+        self.block = block_shape(str(weight), *shape[-2:], scale.shape[-2:], block)
+        self.origin = str(weight)
+
+    def read(self, folder: SafetensorsFolder, box: tuple[slice, ...]) -> torch.Tensor:
+        (*lead, rs, cs), (bm, bn) = box, self.block
+        rows, cols = rs.stop - rs.start, cs.stop - cs.start
+        if rows == 0 or cols == 0 or any(s.stop == s.start for s in lead):
+            return torch.empty(*(s.stop - s.start for s in box))
+        if self.packed:  # two codes per byte: the bytes that hold columns cs, then the exact columns
+            p0, p1 = cs.start // 2, -(-cs.stop // 2)
+            codes = _unpack_fp4(folder.read(self.weight, (*lead, rs, slice(p0, p1))))
+            values = codes[..., cs.start - 2 * p0 : cs.start - 2 * p0 + cols]
+        else:
+            values = folder.read(self.weight, box).float()
+        grid = (*lead, slice(rs.start // bm, -(-rs.stop // bm)), slice(cs.start // bn, -(-cs.stop // bn)))
+        return values * _expand(folder.read(self.scale, grid), bm, bn, rs.start, cs.start, rows, cols)
+
+
+def quantized_sources(
+    stored: dict[str, Stored], block: tuple[int, int] | None
+) -> tuple[dict[str, Source], set[str]]:
+    """({weight name: Quantized source} of every block-quantised weight of a folder, the scale names
+    they consume), from the headers alone; ValueError naming the file and the tensor for a scheme
+    that is not DeepSeek's or a low-precision tensor without its scale."""
+    foreign = [s for k, s in stored.items() if k.endswith(_FOREIGN_SUFFIXES)]
+    if foreign:
         raise ValueError(
-            f"{key}: scale grid {grid} does not tile the weight's {rows} x {cols} values "
-            f"(weight_block_size {list(block) if block else None})"
+            f"{foreign[0]}: a tensor of a quantisation scheme this loader does not read (NVFP4 / static "
+            f"activation scales; {len(foreign)} such tensors); dequantise the checkpoint first"
         )
-    s = _scale_values(scale).repeat_interleave(bm, dim=-2)[..., :rows, :]
-    s = s.repeat_interleave(bn, dim=-1)[..., :cols]
-    return values * s
+    out: dict[str, Source] = {}
+    for key, s in stored.items():
+        scale_key = _scale_key(stored, key)
+        if scale_key is not None and (s.dtype == torch.float8_e4m3fn or s.dtype in _PACKED):
+            out[key] = Quantized(s, stored[scale_key], block)
+    scales = {q.scale.name for q in out.values()}
+    for key, s in stored.items():
+        if key in out or key in scales or s.dtype.itemsize != 1 or s.dtype == torch.bool:
+            continue
+        if s.dtype == torch.float8_e4m3fn or s.dtype in _PACKED:
+            raise ValueError(f"{s}: quantised but has no scale (.scale or .weight_scale_inv)")
+        raise ValueError(
+            f"{s}: {str(s.dtype).removeprefix('torch.')} is an unknown quantisation format; only "
+            "float8_e4m3fn and packed FP4 (int8 / uint8 with a scale) weights are dequantised"
+        )
+    return out, scales
 
 
 def dequantize_state(
