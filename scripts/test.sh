@@ -2,7 +2,7 @@
 # Install titan_thd with the test extra (quick when already installed), then run the suite: every
 # test except the `extended` ones (the heaviest end-to-end parity runs; cheaper tests cover their
 # numerics), on 2 pytest workers (a file stays on one worker: its module fixtures run once).
-#   ./scripts/test.sh              what CI runs (7-15 min on 2 cores, the CPU decides)
+#   ./scripts/test.sh              what CI runs (how long it takes: CONTRIBUTING.md, "Test")
 #   ./scripts/test.sh --extended   everything, the extended parity runs too
 # Other arguments go to pytest, e.g. ./scripts/test.sh -x -k loss
 set -euo pipefail
