@@ -20,7 +20,7 @@ updates below ~|w| / 256 round away: docs/design.md §5.6). Compute wider than t
     master float32    -> bfloat16 on CUDA GPUs with native bf16 (the references' default; this
                          project has not timed a GPU); float32 on CPUs: an AVX2 CPU emulates bf16,
                          and on an AMX CPU mixed bf16 measured 1.10x float32 for the dense recipe
-                         but 0.59x for dsv4's (benchmarks/bench_precision.py; README, "Precision")
+                         but 0.59x for dsv4's (benchmarks/bench_precision.py; docs/results.md §6)
 """
 
 from __future__ import annotations

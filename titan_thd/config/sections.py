@@ -143,7 +143,7 @@ class Training:
     """Compute dtype of forward and backward (FSDP2 gathers the parameters in it, on every layout, one
     process too): `bfloat16` on float32 master weights is mixed precision; `float32`; `auto` (training.dtype
     itself, except float32 masters on a CUDA GPU with native bf16: bfloat16; CPUs compute float32, see
-    README "Precision"; printed in the log header). Wider than training.dtype is refused."""
+    docs/results.md §6; printed in the log header). Wider than training.dtype is refused."""
     mixed_precision_reduce: ReduceChoice = "float32"
     """Mixed precision: dtype of the gradient reduce-scatter and of the gradients FSDP accumulates
     unsharded between pipeline microbatches: `float32` (sums of many ranks keep their small terms) or

@@ -45,7 +45,7 @@ def compiled(fn: Callable) -> Callable:
 def _one_inductor_cache_per_cpu_capability() -> None:
     """Inductor (torch 2.13) generates its C++ kernels for the vector ISA that ATEN_CPU_CAPABILITY
     selects, but its on-disk caches do not key on it: a run under `ATEN_CPU_CAPABILITY=avx2` (how the
-    README emulates an AVX2-only CPU) after a native AVX-512 run on the same machine, or the other
+    CONTRIBUTING.md emulates an AVX2-only CPU) after a native AVX-512 run on the same machine, or the other
     way round, reuses the other ISA's kernels and computes wrong numbers (measured: the float64
     dsv4 loss 555.21 instead of 565.77, tests/models/test_compile.py, AMD EPYC AVX-512). So each
     capability gets its own cache folder; a folder the user chose (TORCHINDUCTOR_CACHE_DIR) is kept.
