@@ -5,10 +5,11 @@
 
 Each model (randomly initialised at the byte vocabulary; the speed does not depend on the weights) greedily
 continues the same prompts (random byte ids) with both decoders of titan_thd/inference/generate.py: the
-family's cached decoder (llama_cache.py / dsv4_cache.py) and RecomputeDecoder (the model's own THD forward
-over every whole sequence, each step). Prefill (the packed forward of the prompts) and decode (the steps
-after it) are timed separately; "same tokens" says whether both decoders chose the same tokens (float32:
-they compute the same logits up to rounding). The table names the CPU; --json writes the numbers.
+family's cached decoder (its ModelSpec.decoder, models/<family>/decode.py) and RecomputeDecoder (the
+model's own THD forward over every whole sequence, each step). Prefill (the packed forward of the
+prompts) and decode (the steps after it) are timed separately; "same tokens" says whether both decoders
+chose the same tokens (float32: they compute the same logits up to rounding). The table names the CPU;
+--json writes the numbers.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 
 from titan_thd.components.hardware import cpu_model_name
 from titan_thd.inference.generate import GenerationStats, generate
+from titan_thd.models import get_model_spec
 from titan_thd.models.dsv4 import build_dsv4
 from titan_thd.models.dsv4 import flavors as dsv4_flavors
 from titan_thd.models.llama import build_llama
@@ -59,7 +61,13 @@ def main() -> int:
             stats = GenerationStats()
             t0 = time.perf_counter()
             out = generate(
-                model, prompts, max_new_tokens=opts.new_tokens, stop_ids=set(), decoder=decoder, stats=stats
+                model,
+                prompts,
+                spec=get_model_spec(name),
+                max_new_tokens=opts.new_tokens,
+                stop_ids=set(),
+                decoder=decoder,
+                stats=stats,
             )
             total = time.perf_counter() - t0
             tokens[decoder] = [c.tokens for c in out]

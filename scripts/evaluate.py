@@ -58,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
             loaded.model,
             loaded.tokenizer,
             conversations,
+            spec=loaded.spec,
             device=loaded.device,
             context=loaded.context,
             max_new_tokens=opts.max_new_tokens,

@@ -130,7 +130,7 @@ class Trainer:
         self.parallel_dims = dims = inputs.dims
         check_outputs(cfg)  # a new run does not replace another run's metrics
         self.evaluator = (  # answer accuracy on held-out chat problems (titan_thd/inference/evaluation.py)
-            TrainingEvaluator(cfg.evaluation, t.steps, self.tokenizer, t.tokens_per_microbatch)
+            TrainingEvaluator(cfg.evaluation, t.steps, self.tokenizer, t.tokens_per_microbatch, self.spec)
             if cfg.evaluation.enable
             else None
         )

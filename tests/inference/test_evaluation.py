@@ -68,7 +68,7 @@ def test_a_perfect_model_scores_everything_and_the_tool_result_is_fed_back(heldo
                     "content"
                 ]
     monkeypatch.setattr(evaluation, "generate", fake_generate(lambda prompt: replies[prompt]))
-    result = evaluate(None, ByteTokenizer(), convs, context=100_000)
+    result = evaluate(None, ByteTokenizer(), convs, spec=None, context=100_000)
     assert result.total.problems == len(problems(convs)) and result.accuracy == result.format_accuracy == 1.0
     tool = result.families["tool"]
     assert tool.problems and tool.tool_calls == tool.problems
@@ -79,9 +79,9 @@ def test_a_perfect_model_scores_everything_and_the_tool_result_is_fed_back(heldo
 def test_wrong_replies_and_the_context_limit(heldout, monkeypatch):
     convs = heldout[:40]
     monkeypatch.setattr(evaluation, "generate", fake_generate(lambda prompt: "The answer is banana."))
-    result = evaluate(None, ByteTokenizer(), convs, context=100_000)
+    result = evaluate(None, ByteTokenizer(), convs, spec=None, context=100_000)
     assert result.accuracy == 0.0 and result.format_accuracy == 1.0
     monkeypatch.setattr(evaluation, "generate", fake_generate(lambda prompt: "I do not know"))
-    short = evaluate(None, ByteTokenizer(), convs, context=120)
+    short = evaluate(None, ByteTokenizer(), convs, spec=None, context=120)
     t = short.total
     assert t.skipped > 0 and t.problems + t.skipped == len(problems(convs)) and short.format_accuracy == 0.0

@@ -26,7 +26,8 @@ from titan_thd.data.chat_template import encode_prompt
 from titan_thd.data.tokenizer import ByteTokenizer
 from titan_thd.inference.generate import generate
 from titan_thd.inference.loading import stop_ids
-from titan_thd.inference.packing import packed_meta
+from titan_thd.models import get_model_spec
+from titan_thd.models.decoding import packed_meta
 from titan_thd.models.dsv4 import export_hf
 from titan_thd.models.llama import LlamaArgs, build_llama
 from titan_thd.models.llama import hf_interop as llama_hf
@@ -76,7 +77,9 @@ def test_dsv4_greedy_tokens_equal_transformers_generate(dsv4):
     model, _, hf = dsv4
     assert type(hf).__name__ == "DeepseekV4ForCausalLM"
     ps = prompts(seed=1)
-    ours = generate(model, ps, max_new_tokens=NEW, stop_ids=set(), vocab_size=320)
+    ours = generate(
+        model, ps, spec=get_model_spec("dsv4"), max_new_tokens=NEW, stop_ids=set(), vocab_size=320
+    )
     for p, c in zip(ps, ours, strict=True):
         assert hf_greedy(hf, p) == c.tokens
         check_no_near_tie(model, hf, p, c.tokens)
@@ -129,7 +132,11 @@ def test_llama_exports_to_llama_for_causal_lm(tmp_path):
     scale = ours.abs().max().item()
     print(f"llama vs LlamaForCausalLM: max abs logits difference {err:.1e} at logits up to {scale:.1f}")
     assert err <= 1e-6 * scale
-    for p, c in zip(ps, generate(model, ps, max_new_tokens=NEW, stop_ids=set(), vocab_size=320), strict=True):
+    for p, c in zip(
+        ps,
+        generate(model, ps, spec=get_model_spec("llama"), max_new_tokens=NEW, stop_ids=set(), vocab_size=320),
+        strict=True,
+    ):
         assert hf_greedy(hf, p) == c.tokens
         check_no_near_tie(model, hf, p, c.tokens)
     back = llama_hf.load_hf(out)

@@ -1,7 +1,7 @@
 """Answer accuracy on held-out conversations of the embedded dataset, graded by its own checker.
 
     conversations = heldout_conversations(limit=200)
-    result = evaluate(model, tokenizer, conversations, device="cpu", context=2048)
+    result = evaluate(model, tokenizer, conversations, spec=get_model_spec(cfg.model.name), context=2048)
     result.accuracy, result.format_accuracy, result.families["arithmetic"].accuracy
 
 The held-out set is `titan_thd/assets/chat_heldout.jsonl.gz` (scripts/make_chat_dataset.py --heldout: the
@@ -43,6 +43,7 @@ from titan_thd.inference.chat_tasks import FAMILIES, TOOL_SYSTEM, calculator, cl
 from titan_thd.inference.generate import GenerationStats, generate
 from titan_thd.inference.loading import stop_ids
 from titan_thd.inference.sampling import Sampling
+from titan_thd.models.spec import ModelSpec
 
 HELDOUT = ASSETS_DIR / "chat_heldout.jsonl.gz"
 logger = logging.getLogger("titan_thd")
@@ -192,6 +193,7 @@ def evaluate(
     tokenizer: Tokenizer,
     conversations: Sequence[list[dict]],
     *,
+    spec: ModelSpec | None,
     device: torch.device | str = "cpu",
     context: int,
     max_new_tokens: int = 512,
@@ -202,7 +204,8 @@ def evaluate(
     progress: Callable[[int, int, float], None] | None = None,
 ) -> EvalResult:
     """Grade the model's greedy replies to every problem of `conversations` (module docstring);
-    `progress(done, total, seconds)` is called after every batch."""
+    `spec`: the model's family (its cached decoder; generate.generate); `progress(done, total,
+    seconds)` is called after every batch."""
     t0 = time.perf_counter()
     result = EvalResult()
     stops = stop_ids(tokenizer)
@@ -220,6 +223,7 @@ def evaluate(
         completions = generate(
             model,
             prompts,
+            spec=spec,
             max_new_tokens=budgets,
             stop_ids=stops,
             sampling=Sampling(),
@@ -277,9 +281,9 @@ class TrainingEvaluator:
     its own copy, answers 1/world of the conversations, and the counts are summed, so the metrics do
     not depend on the layout (pipeline and expert parallelism are refused by the config check)."""
 
-    def __init__(self, cfg, last_step: int, tokenizer: Tokenizer, context: int):
+    def __init__(self, cfg, last_step: int, tokenizer: Tokenizer, context: int, spec: ModelSpec):
         self.freq, self.last_step, self.max_new_tokens = cfg.freq, last_step, cfg.max_new_tokens
-        self.tokenizer, self.context = tokenizer, context
+        self.tokenizer, self.context, self.spec = tokenizer, context, spec
         self.conversations = heldout_conversations(cfg.path or HELDOUT, cfg.limit)
 
     def due(self, step: int) -> bool:
@@ -304,6 +308,7 @@ class TrainingEvaluator:
             model,
             self.tokenizer,
             conversations,
+            spec=self.spec,
             device=device,
             context=self.context,
             max_new_tokens=self.max_new_tokens,

@@ -2,17 +2,18 @@
 
 Legend:  N active sequences   V vocabulary
 
-    completions = generate(model, prompts, max_new_tokens=64, stop_ids={end_of_turn}, sampling=Sampling())
+    spec = get_model_spec(cfg.model.name)
+    completions = generate(model, prompts, spec=spec, max_new_tokens=64, stop_ids={end_of_turn})
 
 The prompts are packed into one microbatch (`cu_seqlens` boundaries, positions restarting per prompt,
 no padding) for the first forward ("prefill"); every later step feeds each unfinished sequence its
 newest token. What a step costs depends on the decoder (`make_decoder`):
 
-- `LlamaDecoder` (llama_cache.py) and `DSv4Decoder` (dsv4_cache.py) keep per-layer caches, so a step
-  computes one row per sequence;
+- the family's cached decoder, `spec.decoder` (models/<family>/decode.py, beside the attention it
+  mirrors), keeps per-layer caches, so a step computes one row per sequence;
 - `RecomputeDecoder` (here) runs the model's own packed forward over every sequence in full at every
   step: O(length) work per token, but it needs nothing of the model beyond its training forward. It is
-  the reference the cached decoders are tested against, and the fallback for another model family.
+  the reference the cached decoders are tested against, and the fallback for a family without one.
 
 A sequence finishes at a stop token (kept as its last token, reason "stop"), after its
 `max_new_tokens` (reason "length"), or when it reaches `context` tokens (reason "context"); finished
@@ -24,33 +25,15 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 from torch import nn
 
-from titan_thd.inference.dsv4_cache import DSv4Decoder
-from titan_thd.inference.llama_cache import LlamaDecoder
-from titan_thd.inference.packing import last_rows, packed_meta
 from titan_thd.inference.sampling import Sampling, make_generator, next_tokens
-from titan_thd.models.dsv4.model import DSv4Model
-from titan_thd.models.llama.model import Llama
+from titan_thd.models.decoding import Decoder, last_rows, packed_meta
+from titan_thd.models.spec import ModelSpec
 
 DECODERS = ("auto", "cache", "recompute")
-
-
-class Decoder(Protocol):
-    def prefill(self, prompts: Sequence[Sequence[int]], room: int) -> torch.Tensor:
-        """logits_NV of the last position of every prompt; `room`: tokens each may still grow by."""
-        ...
-
-    def step(self, tokens_N: torch.Tensor) -> torch.Tensor:
-        """Append one token to every active sequence; logits_NV of those new positions."""
-        ...
-
-    def keep(self, index: list[int]) -> None:
-        """Keep only the active sequences at these positions (in this order)."""
-        ...
 
 
 class RecomputeDecoder:
@@ -79,18 +62,21 @@ class RecomputeDecoder:
         self.seqs = [self.seqs[i] for i in index]
 
 
-def make_decoder(model: nn.Module, device: torch.device, kind: str = "auto") -> Decoder:
-    """`auto`/`cache`: the model family's cached decoder (`cache` refuses a family without one);
-    `recompute`: the full forward at every step."""
+def make_decoder(
+    model: nn.Module, spec: ModelSpec | None, device: torch.device, kind: str = "auto"
+) -> Decoder:
+    """`auto`/`cache`: the family's cached decoder, `spec.decoder` (`cache` refuses a family without
+    one, or no spec); `recompute`: the full forward at every step."""
     if kind not in DECODERS:
         raise ValueError(f"decoder {kind!r}: expected one of {', '.join(DECODERS)}")
     if kind != "recompute":
-        if isinstance(model, Llama):
-            return LlamaDecoder(model, device)
-        if isinstance(model, DSv4Model):
-            return DSv4Decoder(model, device)
+        if spec is not None and spec.decoder is not None:
+            return spec.decoder(model, device)
         if kind == "cache":
-            raise ValueError(f"decoder cache: no cached decoder for {type(model).__name__}; use recompute")
+            name = spec.name if spec is not None else type(model).__name__
+            raise ValueError(
+                f"decoder cache: no cached decoder for {name} (ModelSpec.decoder); use recompute"
+            )
     return RecomputeDecoder(model, device)
 
 
@@ -133,6 +119,7 @@ def generate(
     model: nn.Module,
     prompts: Sequence[Sequence[int]],
     *,
+    spec: ModelSpec | None,
     max_new_tokens: int | Sequence[int],
     stop_ids: set[int],
     sampling: Sampling = Sampling(),
@@ -144,9 +131,11 @@ def generate(
 ) -> list[Completion]:
     """Continue every prompt (lists of token ids) until a stop id, its token budget or the context.
 
-    `max_new_tokens`: one budget for all, or one per prompt. `vocab_size`: the tokenizer's (ids the
-    model has beyond it are never sampled). `context`: the most tokens a sequence may hold (prompt +
-    generated); a prompt that long already is a ValueError. The model runs in eval mode."""
+    `spec`: the model's family (`get_model_spec(cfg.model.name)`), whose `decoder` a string `decoder`
+    picks (make_decoder; None = only the recompute decoder). `max_new_tokens`: one budget for all, or
+    one per prompt. `vocab_size`: the tokenizer's (ids the model has beyond it are never sampled).
+    `context`: the most tokens a sequence may hold (prompt + generated); a prompt that long already is
+    a ValueError. The model runs in eval mode."""
     device = torch.device(device)
     requested = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
     assert len(requested) == len(prompts), (len(requested), len(prompts))
@@ -165,7 +154,7 @@ def generate(
         raise ValueError(f"max_new_tokens: got {min(requested)}, expected at least 1")
     was_training = model.training
     model.eval()
-    dec = make_decoder(model, device, decoder) if isinstance(decoder, str) else decoder
+    dec = make_decoder(model, spec, device, decoder) if isinstance(decoder, str) else decoder
     vocab_size = vocab_size or model.args.vocab_size
     gen = make_generator(sampling, device)
     out = [Completion([], "") for _ in prompts]

@@ -64,11 +64,13 @@ class Loaded:
         return encode_prompt(self.tokenizer, messages)
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, **kwargs) -> list[Completion]:
-        """generate.generate with this run's stop ids, tokenizer vocabulary, context and device."""
+        """generate.generate with this run's spec (its decoder), stop ids, tokenizer vocabulary, context
+        and device."""
         kwargs = {"stop_ids": self.stop_ids, "vocab_size": self.tokenizer.vocab_size, **kwargs}
         return generate(
             self.model,
             prompts,
+            spec=self.spec,
             max_new_tokens=max_new_tokens,
             context=self.context,
             device=self.device,
@@ -116,13 +118,16 @@ def resolve_checkpoint(path: str | Path, checkpoint_folder: str = "checkpoint") 
 
 
 def inference_config(argv: list[str]) -> Config:
-    """The run's config for one process: parallel degrees reset, training-only switches off."""
+    """The run's config for one process: parallel degrees reset, training-only switches off. A new
+    Config (new sections where they differ): nothing writes the loaded one."""
     cfg = load_config(argv)
-    cfg.parallelism = Parallelism()
-    cfg.validation = dataclasses.replace(cfg.validation, enable=False)
-    cfg.training.compile = False
-    cfg.comm.mode = "default"
-    return cfg
+    return dataclasses.replace(
+        cfg,
+        parallelism=Parallelism(),
+        validation=dataclasses.replace(cfg.validation, enable=False),
+        training=dataclasses.replace(cfg.training, compile=False),
+        comm=dataclasses.replace(cfg.comm, mode="default"),
+    )
 
 
 def load_model(

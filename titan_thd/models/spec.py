@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from titan_thd.models.decoding import Decoder
 from titan_thd.parallel.context_parallel import CPMode
 
 
@@ -102,6 +103,12 @@ class ModelSpec:
     """(model, tokens_BS, lengths_B) -> logits_BSV of a padded batch: row b holds one document in its
     first lengths_B[b] columns, the rest is padding (its logits are ignored). A code path of its own,
     not the packed call (validation.compare_padded compares the two); None = that switch is refused."""
+    decoder: Callable[[nn.Module, torch.device], Decoder] | None = None
+    """(whole model in eval mode, device) -> its cached decoder (models/decoding.py `Decoder`: a
+    packed prefill that fills per-layer caches, then one row per sequence per step), for
+    inference/generate.py; None = generation recomputes the model's packed forward over every whole
+    sequence at each step (`RecomputeDecoder`: O(length) per token, nothing needed beyond the
+    training forward), and `--decoder cache` is refused."""
     narrow: Callable[[Any, int], tuple[Any, list[int]]] | None = None
     """(args, f) -> (args with every width / f and one layer per kind, the narrowed model's layer
     for every layer of args); ValueError when a width does not divide. Lets the activation memory of a

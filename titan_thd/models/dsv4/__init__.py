@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from titan_thd.models.dsv4.args import CP_MODE, DSv4Args, flavors
+from titan_thd.models.dsv4.decode import DSv4Decoder
 from titan_thd.models.dsv4.flops import flops_per_step
 from titan_thd.models.dsv4.hf_interop import check_hf, export_hf, hf_args, load_hf, load_hf_into
 from titan_thd.models.dsv4.model import DSv4Model, build_dsv4, per_document_logits
@@ -95,6 +96,7 @@ spec = ModelSpec(
     check_hf=check_hf,
     hf_args=hf_args,
     padded_forward=per_document_logits,
+    decoder=DSv4Decoder,
     after_optimizer_step=update_router_bias,
     narrow=narrow,
     compile=apply_compile,

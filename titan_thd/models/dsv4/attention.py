@@ -80,7 +80,7 @@ class Attention(nn.Module):
         # The window keys as a band: blocks of queries read contiguous key rows (docs/dsv4.md §16).
         band = window_band(plan.window_TW, plan.halo, min(self.block, T), kv_RD.shape[0])
         if self.compressor is None:  # sliding: the window keys only
-            return self._attend(q_THD, kv_RD, None, band, rope_q)[0], None
+            return self.attend(q_THD, kv_RD, None, band, rope_q)[0], None
 
         cplan = plan.compress[self.layer_type]
         comp_CD = gather_entries(self.compressor(x_RD, cplan), cplan, plan.group)
@@ -88,14 +88,14 @@ class Attention(nn.Module):
         if self.indexer is None:  # HCA: every visible entry of the query's document, banded too
             if comp_CD.shape[0]:
                 band = with_entry_range(band, cplan.start_T, cplan.n_vis_T, kv_RD.shape[0], kv_SD.shape[0])
-            return self._attend(q_THD, kv_SD, None, band, rope_q)[0], None
+            return self.attend(q_THD, kv_SD, None, band, rope_q)[0], None
 
         # CSA: the indexer's top-k entries; its KL loss teaches it the main attention's choice.
         q_I, w_I, k_I = self.indexer(x_RD.detach(), cq_TQ.detach(), plan, rope_q)
         # Decided once: a recomputation (activation_checkpoint) reuses the forward's entries.
         entries_TE = decided_once(lambda: self.indexer.select(q_I, w_I, k_I, cplan))
         idx_TK = torch.where(entries_TE >= 0, entries_TE + kv_RD.shape[0], -1)
-        out_TD, lse_TH = self._attend(q_THD, kv_SD, idx_TK, band, rope_q)
+        out_TD, lse_TH = self.attend(q_THD, kv_SD, idx_TK, band, rope_q)
         if not with_kl or comp_CD.shape[0] == 0:
             return out_TD, None
         sparse = self.kl_mode == "sparse"
@@ -130,7 +130,7 @@ class Attention(nn.Module):
         kv_RD = apply_rope(self.kv_norm(self.wkv(x_RD)), *rope_k)
         return q_THD, kv_RD
 
-    def _attend(
+    def attend(
         self,
         q_THD: torch.Tensor,
         kv_SD: torch.Tensor,
@@ -139,7 +139,8 @@ class Attention(nn.Module):
         rope_q: CosSin,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One softmax of every query over its band and listed key rows and its sink, then the
-        output projection; (output [T, d], lse [T, H])."""
+        output projection; (output [T, d], lse [T, H]). The cached decoder (decode.py) attends its
+        one-row steps through it too (band None, every key row listed)."""
         (T, H, D), wo_a = q_THD.shape, local(self.wo_a.weight)
         G = wo_a.shape[0] // self.o_lora_rank  # this rank's groups: its H heads, whole groups
         o_THD, lse_TH = sparse_mqa(

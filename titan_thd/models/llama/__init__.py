@@ -3,6 +3,7 @@
 import dataclasses
 
 from titan_thd.models.llama.args import LlamaArgs, flavors, flops_per_step
+from titan_thd.models.llama.decode import LlamaDecoder
 from titan_thd.models.llama.model import Llama, build_llama, padded_logits
 from titan_thd.models.llama.parallelize import AC_REGIONS, apply_compile, parallelize_llama, tp_divides
 from titan_thd.models.spec import ModelSpec, PipelineSpec
@@ -35,6 +36,7 @@ spec = ModelSpec(
         boundary_shape=lambda args, rows: (rows, args.dim),
     ),
     padded_forward=padded_logits,
+    decoder=LlamaDecoder,
     tp_divides=tp_divides,
     narrow=narrow,
     compile=apply_compile,

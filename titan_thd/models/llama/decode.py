@@ -11,6 +11,9 @@ with the new row's query against the cached keys of its own sequence, padded to 
 past the sequence's length (one batched SDPA call for all sequences). Positions restart per sequence
 exactly as in a packed training microbatch, so cached decoding and the full forward of the same
 tokens agree to rounding (tests/inference/test_decoders.py: float64, relative 1e-12).
+
+`ModelSpec.decoder` of llama (models/llama/__init__.py); generation drives it through the
+`Decoder` protocol (models/decoding.py, inference/generate.py).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from titan_thd.inference.packing import last_rows, packed_meta
+from titan_thd.models.decoding import last_rows, packed_meta
 from titan_thd.models.llama.model import Llama
 from titan_thd.ops.rope import apply_rope, rope_cos_sin
 

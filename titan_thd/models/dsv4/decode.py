@@ -21,7 +21,10 @@ sequence with the same modules, and each query attends an explicit row list of o
 Indexer.select with its lower-index tie rule) through the same sparse attention kernel, in one
 softmax with the sink. Cached decoding equals the full forward to rounding (float64, relative
 1e-12: tests/inference/test_decoders.py); the selection cannot differ, since both sides score the
-same entries with the same tie rule.
+same entries with the same tie rule. It reads only the public surface of the layer's modules
+(`Attention.up_proj` / `attend`, `Compressor`, `Indexer.select`), so it lives here, beside them:
+`ModelSpec.decoder` of dsv4 (models/dsv4/__init__.py), driven through the `Decoder` protocol
+(models/decoding.py, inference/generate.py).
 """
 
 from __future__ import annotations
@@ -30,9 +33,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from titan_thd.inference.packing import last_rows, packed_meta
+from titan_thd.models.decoding import last_rows, packed_meta
 from titan_thd.models.dsv4.attention import Attention
 from titan_thd.models.dsv4.model import DSv4Model
 from titan_thd.models.dsv4.plans import BatchPlan, CompressPlan, rope_dtype
@@ -148,11 +150,9 @@ class DSv4Decoder:
         rope: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
         """Attention.forward for one new row per sequence, against the cache (which it updates)."""
-        N, D, W = x_ND.shape[0], attn.head_dim, self.args.window
+        N, W = x_ND.shape[0], self.args.window
         cq_NQ = attn.q_norm(attn.wq_a(x_ND))
-        q_NHD = F.linear(cq_NQ, attn.wq_b.weight).view(N, -1, D)
-        q_NHD = apply_rope(attn.head_norm(q_NHD, attn.eps).to(x_ND.dtype), *rope)
-        kv_ND = apply_rope(attn.kv_norm(attn.wkv(x_ND)), *rope)
+        q_NHD, kv_ND = attn.up_proj(cq_NQ, x_ND, rope, rope)  # the new rows are both queries and keys
         windows = [torch.cat([c.kv_WD, kv_ND[i : i + 1]]) for i, c in enumerate(cache)]
         for c, w in zip(cache, windows):
             c.kv_WD = w[max(0, w.shape[0] - (W - 1)) :]
@@ -160,7 +160,7 @@ class DSv4Decoder:
         rows = [0, *torch.tensor(counts).cumsum(0).tolist()]
         idx_NK = _pad_rows(rows[:-1], counts, W, self.device)
         if attn.compressor is None:
-            return attn._attend(q_NHD, torch.cat(windows), idx_NK, None, rope)[0]
+            return attn.attend(q_NHD, torch.cat(windows), idx_NK, None, rope)[0]
 
         self._extend_entries(attn, x_ND, cache)
         n_ent = [c.ent_CD.shape[0] for c in cache]
@@ -180,7 +180,7 @@ class DSv4Decoder:
             )
             entries_Nk = ind.select(q_NHI, w_NH, k_CI, visible)
             idx_NK = torch.cat([idx_NK, torch.where(entries_Nk >= 0, entries_Nk + rows[-1], -1)], 1)
-        return attn._attend(q_NHD, kv_SD, idx_NK, None, rope)[0]
+        return attn.attend(q_NHD, kv_SD, idx_NK, None, rope)[0]
 
     def _extend_entries(self, attn: Attention, x_ND: torch.Tensor, cache: list[_Cache]) -> None:
         """Remember the new rows' attention inputs; form the entry of every window they complete."""
