@@ -42,15 +42,13 @@ import traceback
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import NoReturn
 
 import torch.distributed as dist
 
 from titan_thd.components.checkpoint import CheckpointError
+from titan_thd.config import Config
 from titan_thd.launcher import ERROR_FILE_KEY, LAUNCHER_ENV
-
-if TYPE_CHECKING:
-    from titan_thd.config import Config
 
 logger = logging.getLogger("titan_thd")
 

@@ -51,7 +51,7 @@ import warnings
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -65,10 +65,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from titan_thd.components.run_settings import check_resume
+from titan_thd.config import Checkpoint
 from titan_thd.parallel import distributed
-
-if TYPE_CHECKING:  # annotations only: config imports the modules that own its choice lists
-    from titan_thd.config import Checkpoint
 
 logger = logging.getLogger(__name__)
 

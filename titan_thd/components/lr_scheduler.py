@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch.optim.lr_scheduler import LambdaLR
 
 from titan_thd.components.optimizer import OptimizersContainer
-
-if TYPE_CHECKING:  # annotations only: config imports the modules that own its choice lists
-    from titan_thd.config import LRScheduler as LRSchedulerConfig
+from titan_thd.config import LRScheduler as LRSchedulerConfig
 
 
 def lr_factor(i: int, warmup_steps: int, total_steps: int, decay: str, min_lr_factor: float) -> float:

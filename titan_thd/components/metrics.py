@@ -34,15 +34,12 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from titan_thd.components.run_settings import write_run_file
-
-if TYPE_CHECKING:  # annotations only: config imports the modules that own its choice lists
-    from titan_thd.config import Metrics as MetricsConfig
-
+from titan_thd.config import Metrics as MetricsConfig
 
 logger = logging.getLogger("titan_thd")
 

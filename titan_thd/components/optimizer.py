@@ -13,8 +13,8 @@ both halves.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -27,10 +27,7 @@ from torch.distributed.tensor import DTensor
 
 from titan_thd.components import hardware
 from titan_thd.components.muon import Muon
-
-if TYPE_CHECKING:  # annotations only: models import the loss from components
-    from titan_thd.config import Optimizer as OptimizerConfig
-    from titan_thd.models.spec import ModelSpec
+from titan_thd.config import Optimizer as OptimizerConfig
 
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
@@ -103,7 +100,20 @@ class OptimizersContainer:
                 group.update(values)
 
 
-def build_optimizers(model: nn.Module, cfg: OptimizerConfig, spec: ModelSpec) -> OptimizersContainer:
+class MuonSplit(Protocol):
+    """What `build_optimizers` reads of the model's `ModelSpec` (models/spec.py). Named by its shape,
+    not imported: the models import the loss and the precision from components, so components may
+    not import the models back."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def matrix_params(self) -> Callable[[nn.Module], list[str]] | None:
+        """The parameters Muon updates (None: `default_matrix_params`)."""
+
+
+def build_optimizers(model: nn.Module, cfg: OptimizerConfig, spec: MuonSplit) -> OptimizersContainer:
     """AdamW over every parameter, or (`optimizer.name = muon`) Muon over the model's matrices."""
     params = dict(model.named_parameters())
     if cfg.name == "adamw":

@@ -25,14 +25,12 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from titan_thd.config import Config
 from titan_thd.config.resume_keys import FIXED, HOW_MODEL_ARGS, RUN_KEYS
 from titan_thd.data.sources import ASSETS_DIR, resolve_data_path
-
-if TYPE_CHECKING:
-    from titan_thd.config import Config
-    from titan_thd.parallel.parallel_dims import ParallelDims
+from titan_thd.parallel.parallel_dims import ParallelDims
 
 logger = logging.getLogger("titan_thd")
 

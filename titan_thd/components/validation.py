@@ -23,26 +23,30 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 
 from titan_thd.components.loss import cross_entropy_sum
+from titan_thd.config import Validation
 from titan_thd.data.dataloader import OrderedSteps, StepBatch
 from titan_thd.data.packed_batch import IGNORE_INDEX, PackedBatch
 from titan_thd.parallel import distributed as dist_utils
-
-if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
-
-    from titan_thd.config import Validation
-    from titan_thd.pipeline.runner import LocalRunner
-    from titan_thd.pipeline.schedule import PipelineSchedule, StageInput
 
 logger = logging.getLogger("titan_thd")
 
 PaddedForward = Callable[[torch.Tensor, list[int]], torch.Tensor]
 """(tokens_BS, lengths_B) -> logits_BSV of the model's padded forward (validation.compare_padded)."""
+
+
+class ForwardOnly(Protocol):
+    """What validation runs the model through: pipeline/runner.py `LocalRunner` or, under pipeline
+    parallelism, pipeline/schedule.py `PipelineSchedule`. Named by its shape, not imported: the
+    pipeline imports the loss from components, so components may not import the pipeline back."""
+
+    def forward_only(self, inputs: list[Any]) -> torch.Tensor:
+        """The summed cross-entropy of the microbatches `inputs` (each what `prepare` made of one)."""
 
 
 class Validator:
@@ -53,8 +57,8 @@ class Validator:
         cfg: Validation,
         batches: OrderedSteps,
         *,
-        runner: LocalRunner | PipelineSchedule,
-        prepare: Callable[[PackedBatch], StageInput],
+        runner: ForwardOnly,
+        prepare: Callable[[PackedBatch], Any],
         loss_mesh: DeviceMesh | None,
         device: torch.device,
         last_step: int,

@@ -10,15 +10,12 @@ like `data.path`. Without validation `val` is None.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
+from titan_thd.config import Data, Validation
 from titan_thd.data.sources import resolve_data_path
 from titan_thd.data.split import split_store
 from titan_thd.data.token_store import TokenStore, build_token_store
 from titan_thd.data.tokenizer import Tokenizer
-
-if TYPE_CHECKING:
-    from titan_thd.config import Data, Validation
 
 
 def check_validation_path(validation: Validation, source: str) -> None:

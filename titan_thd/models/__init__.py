@@ -1,20 +1,17 @@
 """Model families. `get_model_spec(name)` imports only the family that is asked for.
 
-This package's `__init__` imports nothing heavy (no torch). The family names are the config's
-`ModelName` (titan_thd/config/choices.py), one per family package of this folder. A family is a
-package `titan_thd/models/<name>/` exposing `spec = ModelSpec(...)`
+The family names are the config's `ModelName` (titan_thd/config/choices.py), one per family package
+of this folder. A family is a package `titan_thd/models/<name>/` exposing `spec = ModelSpec(...)`
 (docs/adding_a_model.md).
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any, get_args
+from typing import Any, get_args
 
 from titan_thd.config.choices import ModelName
-
-if TYPE_CHECKING:
-    from titan_thd.models.spec import ModelSpec
+from titan_thd.models.spec import ModelSpec
 
 MODEL_NAMES: tuple[str, ...] = get_args(ModelName)
 

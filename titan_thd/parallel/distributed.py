@@ -21,14 +21,13 @@ import signal
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-if TYPE_CHECKING:  # annotations only: config imports parallel.context_parallel
-    from titan_thd.config import Comm
+from titan_thd.config import Comm
 
 Number = TypeVar("Number", torch.Tensor, float, int)
 

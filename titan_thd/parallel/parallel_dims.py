@@ -47,13 +47,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-if TYPE_CHECKING:  # annotations only: config imports parallel.context_parallel
-    from titan_thd.config import Parallelism
+from titan_thd.config import Parallelism
 
 MESH_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 """Axes of the world mesh, outermost (slowest-varying rank index) first."""
