@@ -168,8 +168,10 @@ def quantized_sources(
         if scale_key is not None and (s.dtype == torch.float8_e4m3fn or s.dtype in _PACKED):
             out[key] = Quantized(s, stored[scale_key], block)
     scales = {q.scale.name for q in out.values()}
+    # A scale whose weight is not low-precision: the weight's line says what is wrong.
+    paired = {n for k in stored if (n := _scale_key(stored, k)) is not None}
     for key, s in stored.items():
-        if key in out or key in scales or s.dtype.itemsize != 1 or s.dtype == torch.bool:
+        if key in out or key in paired or s.dtype.itemsize != 1 or s.dtype == torch.bool:
             continue
         if s.dtype == torch.float8_e4m3fn or s.dtype in _PACKED:
             raise ValueError(f"{s}: quantised but has no scale (.scale or .weight_scale_inv)")
