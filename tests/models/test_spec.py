@@ -1,6 +1,8 @@
 """ModelSpec hooks are typed fields: a misspelt hook fails where the spec is built; the guide to adding a
-model lists exactly the spec's fields; no code outside a model's package names the model."""
+model lists exactly the spec's fields; no code outside titan_thd/models/ names a model family, imports
+one or tests for its classes."""
 
+import ast
 import dataclasses
 import re
 from pathlib import Path
@@ -9,7 +11,9 @@ import pytest
 
 from titan_thd.models import get_model_spec
 from titan_thd.models.dsv4 import load_hf_into, update_router_bias
+from titan_thd.models.dsv4.decode import DSv4Decoder
 from titan_thd.models.dsv4.hf_interop import check_hf
+from titan_thd.models.llama.decode import LlamaDecoder
 from titan_thd.models.spec import ModelSpec, PipelineSpec
 
 
@@ -32,6 +36,7 @@ def test_specs_hooks():
     assert llama.init_from_hf is None and llama.check_hf is None and llama.after_optimizer_step is None
     assert dsv4.init_from_hf is load_hf_into and dsv4.check_hf is check_hf
     assert dsv4.after_optimizer_step is update_router_bias
+    assert llama.decoder is LlamaDecoder and dsv4.decoder is DSv4Decoder  # generate picks them by spec
     with pytest.raises(dataclasses.FrozenInstanceError):
         llama.after_optimizer_step = update_router_bias
 
@@ -57,16 +62,137 @@ def test_the_guide_lists_exactly_the_spec_fields():
     assert _table_fields(text, "### PipelineSpec") == [f.name for f in dataclasses.fields(PipelineSpec)]
 
 
+REPO = Path(__file__).resolve().parents[2]
+MODELS_DIR = REPO / "titan_thd" / "models"
+FAMILIES = sorted(p.name for p in MODELS_DIR.iterdir() if (p / "__init__.py").is_file())
+
+
+def _generic_files() -> list[Path]:
+    """The code that must know models only through their spec: titan_thd/ outside models/, and the
+    user tools of scripts/. Tests, benchmarks/ and dev/ may reach into a family (they measure or
+    check its modules)."""
+    package = [p for p in (REPO / "titan_thd").rglob("*.py") if MODELS_DIR not in p.parents]
+    return sorted(package + list((REPO / "scripts").rglob("*.py")))
+
+
+def _family_classes() -> set[str]:
+    """Every class a family package defines."""
+    return {
+        node.name
+        for family in FAMILIES
+        for path in (MODELS_DIR / family).rglob("*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ClassDef)
+    }
+
+
+def _family_module(name: str) -> str | None:
+    """The family a dotted module name lies in (titan_thd.models.<family>[.x]), or None."""
+    parts = name.split(".")
+    if parts[:2] == ["titan_thd", "models"] and len(parts) > 2 and parts[2] in FAMILIES:
+        return parts[2]
+    return None
+
+
+def _absolute(node: ast.ImportFrom, path: Path) -> str:
+    """The module an ImportFrom names, relative imports resolved against the file's package."""
+    if not node.level:
+        return node.module or ""
+    package = list(path.relative_to(REPO).with_suffix("").parts[:-1])
+    package = package[: len(package) - (node.level - 1)]
+    return ".".join(package + ([node.module] if node.module else []))
+
+
+def _names(node: ast.expr) -> set[str]:
+    """The class names an isinstance / issubclass second argument mentions (x, m.x, (x, y))."""
+    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)} | {
+        n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)
+    }
+
+
+def family_references(text: str, path: Path, classes: set[str]) -> list[str]:
+    """Each import of a family module (import, from-import, relative, importlib) and each isinstance /
+    issubclass / `type(x) is` test against a family class in the source `text` of the file at `path`
+    (where its relative imports start), as `line: what`."""
+    found = []
+    for node in ast.walk(ast.parse(text, filename=str(path))):
+        if isinstance(node, ast.Import):
+            found += [f"{node.lineno}: import {a.name}" for a in node.names if _family_module(a.name)]
+        elif isinstance(node, ast.ImportFrom):
+            module = _absolute(node, path)
+            targets = [module] + [f"{module}.{a.name}" for a in node.names]
+            if any(_family_module(t) for t in targets):
+                found.append(f"{node.lineno}: from {module} import {', '.join(a.name for a in node.names)}")
+        elif isinstance(node, ast.Call):
+            func = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            if func in ("import_module", "__import__") and node.args:
+                arg = node.args[0]
+                if isinstance(arg, ast.Constant) and isinstance(arg.value, str) and _family_module(arg.value):
+                    found.append(f"{node.lineno}: {func}({arg.value!r})")
+            if func in ("isinstance", "issubclass") and len(node.args) == 2:
+                hit = _names(node.args[1]) & classes
+                if hit:
+                    found.append(f"{node.lineno}: {func}(..., {', '.join(sorted(hit))})")
+        elif isinstance(node, ast.Compare) and any(isinstance(op, (ast.Is, ast.IsNot)) for op in node.ops):
+            hit = set().union(*(_names(c) for c in node.comparators)) & classes
+            if hit:
+                found.append(f"{node.lineno}: `is` {', '.join(sorted(hit))}")
+    return found
+
+
+def test_the_family_guard_sees_every_form():
+    """The checker itself: each way of importing a family or testing its class is reported, generic
+    imports and look-ups by spec are not."""
+    assert FAMILIES == ["dsv4", "llama"]
+    classes = _family_classes()
+    assert {"Llama", "DSv4Model", "Attention", "LlamaDecoder"} <= classes
+    lines = [
+        "import titan_thd.models.llama",
+        "import titan_thd.models.dsv4.attention as a",
+        "from titan_thd.models.dsv4 import spec",
+        "from titan_thd.models import llama",
+        "from ..models.llama.model import Llama",
+        "importlib.import_module('titan_thd.models.dsv4')",
+        "isinstance(m, Llama)",
+        "isinstance(m, (int, dsv4_model.DSv4Model))",
+        "issubclass(type(m), Attention)",
+        "type(m) is Llama",
+    ]
+    good = [
+        "from titan_thd.models import get_model_spec",
+        "from titan_thd.models.spec import ModelSpec",
+        "from titan_thd.models.decoding import Decoder",
+        "import titan_thd.models",
+        "spec = get_model_spec(cfg.model.name)",
+        "isinstance(m, nn.Module)",
+    ]
+    # Read as if it were a module of titan_thd/inference/ (where its relative import starts).
+    where = REPO / "titan_thd" / "inference" / "probe.py"
+    found = family_references("\n".join(lines + good) + "\n", where, classes)
+    assert [int(f.split(":")[0]) for f in found] == list(range(1, len(lines) + 1)), found
+
+
+def test_no_family_is_imported_or_tested_by_class_outside_models():
+    """Inference, the trainer, the data, parallel and pipeline code and the user tools reach a model
+    family only through its ModelSpec (get_model_spec(name)): no import of titan_thd.models.<family>,
+    no isinstance against a family's class."""
+    classes = _family_classes()
+    offenders = [
+        f"{path.relative_to(REPO)}:{ref}"
+        for path in _generic_files()
+        for ref in family_references(path.read_text(), path, classes)
+    ]
+    assert not offenders, "\n".join(offenders)
+
+
 def test_no_model_is_named_outside_its_package():
-    """The trainer, data, parallel and pipeline code never tests for a model by name (the spec says it all)."""
-    root = Path(__file__).resolve().parents[2] / "titan_thd"
+    """The trainer, data, parallel, pipeline and inference code and the user tools never test for a
+    model by name (the spec says it all)."""
     offenders = []
-    for path in root.rglob("*.py"):
-        if "models" in path.relative_to(root).parts:
-            continue
+    for path in _generic_files():
         for i, line in enumerate(path.read_text().splitlines(), 1):
             if re.search(
                 r"""==\s*["'](llama|dsv4)["']|["'](llama|dsv4)["']\s*(==|in\b)|\b_FIRST\b|\b_LAST\b""", line
             ):
-                offenders.append(f"{path.relative_to(root)}:{i}: {line.strip()}")
+                offenders.append(f"{path.relative_to(REPO)}:{i}: {line.strip()}")
     assert not offenders, "\n".join(offenders)
