@@ -9,7 +9,7 @@ process, eager, float32 by default:
   step             forward + backward + AdamW step on a packed microbatch of T tokens (lognormal
                    documents), median of --reps, relative to `none`: the recompute overhead; the
                    modes run interleaved in every repetition, so a busy machine slows them alike
-  peak             peak bytes of live tensors over one step (components/live_memory.py):
+  peak             peak bytes of live tensors over one step (memory/live.py):
                    parameters, gradients, optimizer state, activations, temporaries
 
   .venv/bin/python benchmarks/bench_memory.py --json /tmp/bench_memory.json
@@ -31,15 +31,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from titan_thd.components.live_memory import LiveBytes
-
 from titan_thd.components.loss import cross_entropy_sum
 from titan_thd.config import ActivationCheckpoint, Parallelism, Training
 from titan_thd.data.batch_meta import BatchMeta
 from titan_thd.data.packer import pack_microbatch
+from titan_thd.memory import activations
+from titan_thd.memory.live import LiveBytes
 from titan_thd.models import get_model_args, get_model_spec
 from titan_thd.parallel.parallel_dims import ParallelDims
-from titan_thd.pipeline import activations
 
 FLAVORS = {"llama": "debug", "dsv4": "tiny"}
 

@@ -82,12 +82,12 @@ def test_vocab_rounded_and_train_step_runs(trainer):
 
 
 def test_a_run_beyond_the_hosts_memory_is_refused_with_the_numbers(trainer, monkeypatch):
-    """CPU ranks share the host: 4 ranks of the header's estimate against 1 byte less than that is
+    """CPU ranks share the host: 4 ranks of the memory plan's figure against 1 byte less than that is
     refused before the first step (the message names both sums and the way out); exactly enough passes."""
     import titan_thd.train as train_module
-    from titan_thd.pipeline.split import size
+    from titan_thd.memory.state import size
 
-    per_rank = trainer.rank_bytes_estimate
+    per_rank = trainer.memory.per_rank_total
     assert per_rank > sum(p.numel() * p.element_size() for p in trainer.model.parameters())
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     monkeypatch.setattr(train_module, "available_host_bytes", lambda: 4 * per_rank - 1)

@@ -316,10 +316,10 @@ def test_fake_mode_dry_run_prints_every_stage(tmp_path):
     """COMM_MODE=fake with pp 2 x dp 4: one line per stage; the stages' parameters add up to the
     model's, each rank holds a quarter of its stage (the debug model's dimensions divide by 4)."""
     from tests.e2e.test_train_cli import CONFIG, SMALL, run_train
+    from titan_thd.memory import activations
     from titan_thd.models import get_model_args, get_model_spec
     from titan_thd.models.llama.model import build_llama
     from titan_thd.models.spec import count_params
-    from titan_thd.pipeline import activations
 
     proc = run_train(
         "--config",

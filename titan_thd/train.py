@@ -29,8 +29,6 @@ from torch import nn
 
 from titan_thd import exits
 from titan_thd.components.checkpoint import CheckpointManager, model_fingerprint
-from titan_thd.components.dry_run import fake_step_fits
-from titan_thd.components.live_memory import available_host_bytes, max_rss_bytes
 from titan_thd.components.lr_scheduler import LRSchedulersContainer
 from titan_thd.components.metrics import (
     MetricsLogger,
@@ -67,18 +65,19 @@ from titan_thd.inputs import (
     hybrid_threshold,
     preflight,
 )
+from titan_thd.memory.dry_run import fake_step_fits
+from titan_thd.memory.live import available_host_bytes, max_rss_bytes
+from titan_thd.memory.plan import MemoryPlan, host_refusal, plan_memory
 from titan_thd.models.compile import CompileClock
 from titan_thd.models.hf_tokenizer import write_tokenizer
 from titan_thd.models.spec import ModelSpec
 from titan_thd.parallel import distributed as dist_utils
 from titan_thd.parallel.context_parallel import resolve_mode
 from titan_thd.parallel.distributed import DistInfo
-from titan_thd.parallel.fsdp import build_on_meta, estimate_memory_per_rank
+from titan_thd.parallel.fsdp import build_on_meta
 from titan_thd.parallel.parallel_dims import ParallelDims
-from titan_thd.pipeline import activations
 from titan_thd.pipeline.runner import LazyInputs, LocalRunner, build
 from titan_thd.pipeline.schedule import PipelineSchedule, StageInput
-from titan_thd.pipeline.split import size, stage_summary
 
 logger = logging.getLogger("titan_thd")
 
@@ -130,7 +129,7 @@ class Trainer:
         self.parallel_dims = dims = inputs.dims
         check_outputs(cfg)  # a new run does not replace another run's metrics
         self.evaluator = (  # answer accuracy on held-out chat problems (titan_thd/inference/evaluation.py)
-            TrainingEvaluator(cfg.evaluation, t.steps, self.tokenizer, t.tokens_per_microbatch, self.spec)
+            TrainingEvaluator(cfg.evaluation, t.steps, self.tokenizer, t.tokens_per_microbatch)
             if cfg.evaluation.enable
             else None
         )
@@ -218,9 +217,27 @@ class Trainer:
         self._recent_step_times: collections.deque[float] = collections.deque(maxlen=10)
         self.compile_clock = CompileClock()  # the compile seconds of the steps that compiled
         self.timer = StepTimer(self.dist.device)
-        self.rank_bytes_estimate = 0  # one rank's memory, params to activations (the header's line)
+        # Every rank's memory, planned once (memory/plan.py) by rank 0, which logs it and decides the
+        # host refusal for all; in a dry run every rank reads its own figures to size its step.
+        self.memory: MemoryPlan | None = None
+        if self.dist.is_main or fake:
+            self.memory = plan_memory(
+                self.spec,
+                self.model_args,
+                dims,
+                inputs.stages,
+                cfg.parallelism.pipeline_parallel_schedule,
+                self.precision,
+                cfg.optimizer.name,
+                self.spec.matrix_params or default_matrix_params,
+                parallelism=cfg.parallelism,
+                training=cfg.training,
+                ac=cfg.activation_checkpoint,
+                tokens=cfg.training.tokens_per_microbatch // dims.cp,
+                narrow_ok=fake,  # minutes of CPU for a Flash-sized model
+            )
         if self.dist.is_main:
-            self._log_header(inputs.stages)
+            self._log_header()
             if not self.dist.fake:  # the run folder holds the tokenizer it was trained with
                 source = None if cfg.data.tokenizer == "byte" else cfg.data.tokenizer
                 write_tokenizer(self.tokenizer, Path(cfg.job.dump_folder) / "tokenizer", source)
@@ -378,19 +395,15 @@ class Trainer:
         if self.dist.fake or self.dist.device.type != "cpu":
             return
         message = ""
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        need = self.rank_bytes_estimate * local  # 0 off rank 0 (only it builds the header)
-        available = available_host_bytes() if self.dist.is_main else need
-        if need > available:
-            c = self.cfg
-            message = (
-                f"memory: {local} rank(s) on this host x {size(self.rank_bytes_estimate)} estimated "
-                f"per rank (the header's activation line: training.tokens_per_microbatch "
-                f"{c.training.tokens_per_microbatch:,} over context parallel degree {self.parallel_dims.cp}, "
-                f"activation_checkpoint.mode = {c.activation_checkpoint.mode}) = {size(need)}, more "
-                f"than the {size(available)} this machine has available; recompute "
-                "(--activation_checkpoint.mode full), lower training.tokens_per_microbatch or raise "
-                "parallelism.context_parallel_degree"
+        if self.dist.is_main:  # the fullest host's ranks, start-up peaks included, every layout
+            c, local = self.cfg, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            message = host_refusal(
+                self.memory,
+                local,
+                available_host_bytes(),
+                c.training.tokens_per_microbatch,
+                self.parallel_dims.cp,
+                c.activation_checkpoint.mode,
             )
         message = dist_utils.broadcast_object(message)
         if message:
@@ -469,68 +482,27 @@ class Trainer:
     def _fake_step_fits(self) -> bool:
         tokens = self.cfg.training.tokens_per_microbatch // self.parallel_dims.cp
         flops = self.spec.flops_per_step(self.model_args, [tokens]) / self.parallel_dims.pp
-        acts = self._activations(tokens)
-        saved = sum(acts.stage(list(acts.kept.layers), first=True, last=True)) if acts is not None else 0.0
-        return fake_step_fits(self.model, tokens, flops, self.peak_tflops, saved)
+        rank = self.memory.ranks[self.parallel_dims.mesh_rank("pp")]
+        return fake_step_fits(rank, tokens, flops, self.peak_tflops)
 
-    def _activations(self, tokens: int) -> activations.ActivationMemory | None:
-        """One microbatch's activation memory, measured once per process (pipeline/activations.py)."""
-        c = self.cfg
-        return activations.activation_memory(
-            self.spec,
-            self.model_args,
-            tokens,
-            self.precision.compute,  # activations are in the compute dtype
-            c.parallelism,
-            c.training,
-            c.activation_checkpoint,
-            narrow_ok=self.dist.fake,  # minutes of CPU for a Flash-sized model
-        )
-
-    def _log_header(self, stages: list[list[int]] | None) -> None:
+    def _log_header(self) -> None:
         c, d, precision = self.cfg, self.parallel_dims, self.precision
-        matrix_params = self.spec.matrix_params or default_matrix_params
-        tokens = c.training.tokens_per_microbatch // d.cp
-        acts = self._activations(tokens)
-        stage_lines = []
-        if stages is not None:  # every stage's share, built on the meta device
-            stage_lines = stage_summary(
-                lambda: build_on_meta(lambda: self.spec.build(self.model_args)),
-                self.spec.pipeline,
-                stages,
-                d,
-                c.parallelism.pipeline_parallel_schedule,
-                self.runner.shape,
-                precision,
-                c.optimizer.name,
-                matrix_params,
-                acts,
-                self.spec.expert_params,
-            )
-        elif acts is not None:  # one stage: one microbatch in flight at a time
-            muon = matrix_params(self.model) if c.optimizer.name == "muon" else ()
-            other = estimate_memory_per_rank(self.model, d, c.optimizer.name, precision, muon).total_bytes
-            stage_lines = [activations.summary(acts, tokens, other)]
-            self.rank_bytes_estimate = int(
-                sum(acts.stage(list(acts.kept.layers), first=True, last=True)) + other
-            )
         for line in header_lines(
             c,
             dims=d,
             cp_mode=self.cp.mode,
             device=self.dist.device,
             fake=self.dist.fake,
-            model=self.model,
             num_params=self.param_count,
             model_args=self.model_args,
             tokenizer=self.tokenizer,
             optimizers=self.optimizers.optimizers,
-            muon_params=matrix_params(self.model) if c.optimizer.name == "muon" else (),
             precision=precision,
             compile_line=self.compile.describe(),
             loader=self.dataloader,
             validator=self.validator,
-            stage_lines=stage_lines,
+            state_line=self.memory.state_line(),
+            stage_lines=self.memory.stage_lines(),
             ac_regions=self.spec.ac_regions,
             peak_tflops=self.peak_tflops,
         ):

@@ -14,7 +14,7 @@ from titan_thd.components.precision import (
     validate_precision,
 )
 from titan_thd.config import load_config
-from titan_thd.parallel.fsdp import estimate_memory_per_rank
+from titan_thd.memory.state import estimate_memory_per_rank
 from titan_thd.parallel.parallel_dims import ParallelDims
 
 CPU_NATIVE = Hardware("cpu (Intel Xeon)", "AVX512", True)

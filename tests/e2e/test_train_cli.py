@@ -313,7 +313,7 @@ def test_fake_mode_skips_a_step_that_cannot_fit(tmp_path, monkeypatch, caplog):
     """The dry run still builds everything, then says why it does not run the step (and that 4
     samples per step leave 4 of its 8 replicas with padding only)."""
     monkeypatch.setenv("NGPU", "8")
-    monkeypatch.setattr("titan_thd.components.dry_run.available_host_bytes", lambda: 16 * 4096)
+    monkeypatch.setattr("titan_thd.memory.dry_run.available_host_bytes", lambda: 16 * 4096)
     config = str(ROOT / "train_configs" / CONFIG)
     overrides = ["--comm.mode", "fake", "--training.steps", "1", "--job.dump_folder", str(tmp_path)]
     overrides += ["--training.global_batch_size", "4"]

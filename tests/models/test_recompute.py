@@ -25,10 +25,10 @@ from tests.models.dsv4._util import build as build_dsv4_random
 from tests.models.dsv4._util import meta, micro, packed
 from titan_thd.components.loss import cross_entropy_sum
 from titan_thd.config import ActivationCheckpoint, Parallelism, Training
+from titan_thd.memory import activations
 from titan_thd.models import get_model_spec
 from titan_thd.models.dsv4.indexer import Indexer
 from titan_thd.parallel.parallel_dims import ParallelDims
-from titan_thd.pipeline import activations
 
 LENGTHS = [37, 90, 13, 64]
 """Documents of one packed microbatch (T = 204 plus padding)."""

@@ -8,11 +8,12 @@ import torch
 from torch.distributed.tensor import DTensor, Shard
 
 from titan_thd.config import ActivationCheckpoint, load_config
+from titan_thd.memory.state import estimate_memory_per_rank, largest_unsharded_unit_bytes
 from titan_thd.models.dsv4.args import flavors
 from titan_thd.models.dsv4.model import build_dsv4
 from titan_thd.models.dsv4.parallelize import parallelize_dsv4
 from titan_thd.parallel import distributed
-from titan_thd.parallel.fsdp import build_on_meta, estimate_memory_per_rank, largest_unsharded_unit_bytes
+from titan_thd.parallel.fsdp import build_on_meta
 from titan_thd.parallel.parallel_dims import ParallelDims
 from titan_thd.startup import resolve_run
 

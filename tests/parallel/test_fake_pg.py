@@ -12,14 +12,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from titan_thd.config import Comm
+from titan_thd.memory.state import estimate_memory_per_rank, largest_unsharded_unit_bytes
 from titan_thd.parallel import distributed
-from titan_thd.parallel.fsdp import (
-    apply_fsdp,
-    build_on_meta,
-    estimate_memory_per_rank,
-    largest_unsharded_unit_bytes,
-    materialize_sharded,
-)
+from titan_thd.parallel.fsdp import apply_fsdp, build_on_meta, materialize_sharded
 from titan_thd.parallel.parallel_dims import ParallelDims
 
 

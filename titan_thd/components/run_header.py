@@ -3,9 +3,8 @@
     for line in header_lines(cfg, ...):
         logger.info("%s", line)
 
-Every value is passed in; nothing here builds a model or runs a forward (the memory lines of the
-activations, per pipeline stage or of the one stage, which need an activation measurement and under
-pipeline parallelism a meta build, come in as `stage_lines`).
+Every value is passed in; nothing here builds a model or runs a forward (the memory lines, the
+run's memory plan's `state_line` and `stage_lines` (memory/plan.py), come in as text).
 """
 
 from __future__ import annotations
@@ -14,14 +13,12 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
 
 from titan_thd.components import hardware
 from titan_thd.components.muon import Muon
 from titan_thd.components.precision import Precision, precision_warnings
 from titan_thd.components.run_settings import data_description
 from titan_thd.parallel.activation_checkpoint import describe
-from titan_thd.parallel.fsdp import estimate_memory_per_rank
 from titan_thd.parallel.parallel_dims import ParallelDims
 
 if TYPE_CHECKING:
@@ -38,16 +35,15 @@ def header_lines(
     cp_mode: str,
     device: torch.device,
     fake: bool,
-    model: nn.Module,
     num_params: int,
     model_args: Any,
     tokenizer: Tokenizer,
     optimizers: Sequence[torch.optim.Optimizer],
-    muon_params: Sequence[str],
     precision: Precision,
     compile_line: str,
     loader: THDDataLoader,
     validator: Validator | None,
+    state_line: str,
     stage_lines: Sequence[str],
     ac_regions: Mapping[str, str],
     peak_tflops: float,
@@ -60,7 +56,7 @@ def header_lines(
         f"(tokenizer {tokenizer.vocab_size}), dtype {c.training.dtype}",
         *([note] if (note := getattr(tokenizer, "added_tokens_note", str)()) else []),
         precision.describe(c.training.mixed_precision_param),
-        str(estimate_memory_per_rank(model, d, c.optimizer.name, precision, muon_params)),
+        state_line,
         describe(ac.mode, ac.regions, ac.layers, ac_regions),
         *stage_lines,
     ]

@@ -1,4 +1,5 @@
-"""FSDP2 over the `fsdp` mesh (dp × cp), layout-independent weights, and a memory estimate.
+"""FSDP2 over the `fsdp` mesh (dp × cp) and layout-independent weights (the memory a rank's share
+takes: memory/state.py).
 
 - `apply_fsdp` shards each block, then the root. Gradients are *summed* over the fsdp ranks, not
   averaged: the trainer divides the loss once by the global trained-token count, so a further
@@ -14,9 +15,7 @@
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Collection, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import torch
@@ -24,9 +23,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
 
-from titan_thd.parallel.parallel_dims import EP_TP_DIMS, ParallelDims
+from titan_thd.parallel.parallel_dims import ParallelDims
 
 if TYPE_CHECKING:
     from titan_thd.components.precision import Precision
@@ -123,187 +121,3 @@ def materialize_sharded(model: nn.Module, device: str | torch.device = "cpu", st
         local.normal_(0.0, std)
     for b in model.buffers():
         (b.to_local() if isinstance(b, DTensor) else b).zero_()
-
-
-def largest_unsharded_unit_bytes(model: nn.Module) -> int:
-    """Bytes of the largest FSDP unit's full (unsharded) parameters: what one all-gather of a
-    forward or backward materialises on a rank, whatever the fsdp degree (its tp share under TP,
-    its own experts under EP), in the dtype the unit gathers in (its mixed-precision compute dtype)."""
-    units = [m for m in model.modules() if isinstance(m, FSDPModule)] or [model]
-    nested = {u: [v for v in u.modules() if v is not u and isinstance(v, FSDPModule)] for u in units}
-    largest = 0
-    for unit in units:
-        inner = {id(p) for v in nested[unit] for p in v.parameters()}
-        own = [p for p in unit.parameters() if id(p) not in inner]
-        gathered = unit._get_fsdp_state()._mp_policy.param_dtype if isinstance(unit, FSDPModule) else None
-        # A DTensor's global shape, less its tp / ep split (an FSDP all-gather stops at them).
-        largest = max(
-            largest,
-            sum(math.prod(_model_parallel_shape(p)) * (gathered or p.dtype).itemsize for p in own),
-        )
-    return largest
-
-
-# ============================================================================ memory estimate
-@dataclass(frozen=True)
-class MemoryEstimate:
-    """Parameter memory of one rank: the sharded master state, and under pipeline parallelism what
-    FSDP keeps unsharded for the whole stage between its microbatches (docs/design.md §5.6)."""
-
-    params: int
-    """Parameters held by this rank (its FSDP shards)."""
-    param_bytes: int
-    """Sharded master weights."""
-    grad_bytes: int
-    """Sharded gradients (master dtype: FSDP reduce-scatters into them)."""
-    optimizer_bytes: int
-    stage_params: int = 0
-    """Elements FSDP keeps unsharded on this rank between a pipeline stage's microbatches (its
-    stage's parameters, this rank's tp share and experts): 0 without pipeline parallelism."""
-    stage_param_bytes: int = 0
-    """Their gathered copy, in the compute dtype (reshard_after_forward is off under PP)."""
-    stage_grad_bytes: int = 0
-    """Their gradients accumulated unsharded until the step's last backward, in the reduction dtype."""
-
-    @property
-    def total_bytes(self) -> int:
-        return (
-            self.param_bytes
-            + self.grad_bytes
-            + self.optimizer_bytes
-            + self.stage_param_bytes
-            + self.stage_grad_bytes
-        )
-
-    def per_parameter(self) -> str:
-        """Bytes per parameter of the scheme, e.g. `master 4 + grads 4 + optimizer 8 B per parameter;
-        per stage parameter between microbatches: compute copy 2 + grads 4 B`."""
-
-        def per(n: int, count: int) -> str:
-            return f"{n / max(1, count):.3g}"
-
-        out = (
-            f"master {per(self.param_bytes, self.params)} + grads {per(self.grad_bytes, self.params)} + "
-            f"optimizer {per(self.optimizer_bytes, self.params)} B per parameter"
-        )
-        if self.stage_params:
-            out += (
-                f"; per stage parameter between microbatches: compute copy "
-                f"{per(self.stage_param_bytes, self.stage_params)} + grads "
-                f"{per(self.stage_grad_bytes, self.stage_params)} B ({self.stage_params:,} unsharded)"
-            )
-        return out
-
-    def __str__(self) -> str:
-        # One unit for the whole line: GiB for real models, MiB for the small ones of tests.
-        unit, scale = ("GiB", 1024**3) if self.total_bytes >= 1024**3 else ("MiB", 1024**2)
-
-        def size(n: int) -> str:
-            return f"{n / scale:.2f} {unit}"
-
-        stage = (
-            f" + stage copy {size(self.stage_param_bytes)} + stage grads {size(self.stage_grad_bytes)}"
-            if self.stage_params
-            else ""
-        )
-        return (
-            f"{self.params:,} parameters per rank ({self.per_parameter()}); estimated memory per rank: "
-            f"params {size(self.param_bytes)} + grads {size(self.grad_bytes)} + optimizer "
-            f"{size(self.optimizer_bytes)}{stage} = {size(self.total_bytes)} (activations excluded)"
-        )
-
-
-def local_numel(shape: torch.Size | tuple[int, ...], shards: int, shard_rank: int = 0) -> int:
-    """Elements of `shard_rank`'s FSDP shard: dim 0 is cut into ceil(d0 / shards) rows per rank."""
-    if len(shape) == 0:
-        return 1
-    rows = math.ceil(shape[0] / shards)
-    local_rows = max(0, min(rows, shape[0] - shard_rank * rows))
-    return local_rows * math.prod(shape[1:])
-
-
-_MODEL_PARALLEL_DIMS = ("tp", "ep", *EP_TP_DIMS)
-"""Mesh dimensions that split a parameter for compute (FSDP's all-gather stops at them)."""
-
-
-def _model_parallel_shape(p: torch.Tensor) -> tuple[int, ...]:
-    """Global shape with the tensor- and expert-parallel dimensions cut to rank 0's share (ceil)."""
-    shape = list(p.shape)
-    names = (p.device_mesh.mesh_dim_names or ()) if isinstance(p, DTensor) else ()
-    for i, name in enumerate(names):
-        placement = p.placements[i]
-        if name in _MODEL_PARALLEL_DIMS and isinstance(placement, Shard):
-            shape[placement.dim] = math.ceil(shape[placement.dim] / p.device_mesh.size(i))
-    return tuple(shape)
-
-
-def _sharded_numel(p: DTensor) -> int:
-    """Elements of the coordinate-0 shard of a DTensor (the largest: torch.chunk's first part),
-    every mesh dimension's `Shard(dim)` cutting its dimension in turn."""
-    shape = list(p.shape)
-    for i, placement in enumerate(p.placements):
-        # _StridedShard (FSDP over a TP shard) is no Shard subclass in torch 2.13: the same share.
-        if isinstance(placement, Shard | _StridedShard):
-            shape[placement.dim] = math.ceil(shape[placement.dim] / p.device_mesh.size(i))
-    return math.prod(shape)
-
-
-def _has_fsdp_dim(p: DTensor) -> bool:
-    """Whether FSDP shards `p` on some mesh dimension (one that is not tp / ep's)."""
-    names = p.device_mesh.mesh_dim_names or ()
-    return any(i >= len(names) or names[i] not in _MODEL_PARALLEL_DIMS for i in range(p.device_mesh.ndim))
-
-
-def estimate_memory_per_rank(
-    model: nn.Module,
-    parallel_dims: ParallelDims,
-    optimizer: str = "adamw",
-    precision: Precision | torch.dtype = torch.float32,
-    muon_params: Collection[str] = (),
-    expert_params: Collection[str] = (),
-) -> MemoryEstimate:
-    """Parameter, gradient and optimizer-state bytes on the most loaded rank (fsdp rank 0).
-
-    Works on a full, a sharded (DTensor shapes are global) or a meta model. Master weights,
-    gradients and optimizer state are in the master dtype (`precision`, or one dtype for all);
-    AdamW keeps two states per parameter, Muon one for the parameters named in `muon_params`
-    (AdamW for the rest). Under pipeline parallelism pass one stage's module: FSDP then also
-    keeps the stage's parameters gathered (compute dtype) and their gradients accumulated
-    unsharded (reduction dtype) between microbatches. On a model not yet expert-parallel, the
-    `expert_params` (routed experts) are each held by 1 / ep of the ranks. A tensor-parallel shard
-    counts its share of the tp-split dimension; activations are excluded.
-    """
-    if optimizer not in ("adamw", "muon"):
-        raise ValueError(f"estimate_memory_per_rank: optimizer {optimizer!r}, expected adamw or muon")
-    if isinstance(precision, torch.dtype):  # one dtype for everything: a pure run
-        master = compute = reduce = precision
-    else:
-        master, compute, reduce = precision.master, precision.compute, precision.reduce
-    d = parallel_dims
-    shards = d.fsdp_degree if d.fsdp_enabled else 1
-    params = states = stage = 0
-    for name, p in model.named_parameters():
-        if isinstance(p, DTensor):
-            # A sharded parameter's own placements (expert-parallel experts: ep x efsdp); what FSDP
-            # gathers for a pipeline stage is its tp / ep share.
-            n = _sharded_numel(p)
-            unsharded = math.prod(_model_parallel_shape(p)) if _has_fsdp_dim(p) else 0
-        else:
-            # An unsharded one as FSDP will cut it, on dim 0 over fsdp; ep x efsdp = dp x cp: an
-            # expert's shard is as large as a dense one, its full copy 1 / ep.
-            expert = d.ep_enabled and name in expert_params
-            n = local_numel(p.shape, shards)
-            sharded_by_fsdp = d.fsdp_enabled or compute != master or expert
-            unsharded = p.numel() // (d.ep if expert else 1) if sharded_by_fsdp else 0
-        params += n
-        states += n * (1 if optimizer == "muon" and name in muon_params else 2)
-        stage += unsharded if d.pp_enabled else 0
-    return MemoryEstimate(
-        params,
-        params * master.itemsize,
-        params * master.itemsize,
-        states * master.itemsize,
-        stage,
-        stage * compute.itemsize,
-        stage * reduce.itemsize,
-    )

@@ -20,17 +20,13 @@ from __future__ import annotations
 
 import collections
 import copy
-import math
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from torch import nn
 
 if TYPE_CHECKING:
-    from titan_thd.components.precision import Precision
     from titan_thd.config import Parallelism
     from titan_thd.models.spec import PipelineSpec
-    from titan_thd.pipeline.activations import ActivationMemory
 
 
 # ============================================================================ start-up rules
@@ -209,68 +205,16 @@ def _drop_end_modules(
             setattr(model, name, None)
 
 
-def stage_summary(
-    build_meta: Callable[[], nn.Module],
+def rank_part(
     pipeline: PipelineSpec,
+    full: nn.Module,
     layers: list[list[int]],
-    parallel_dims: Any,
-    schedule: str,
-    shape: tuple[int, ...],
-    precision: Precision,
-    optimizer: str = "adamw",
-    matrix_params: Callable[[nn.Module], list[str]] | None = None,
-    saved: ActivationMemory | None = None,
-    expert_params: Callable[[nn.Module], list[str]] = lambda model: [],
-) -> list[str]:
-    """One line per pipeline rank for the log header: its stages' layers, parameters, estimated
-    memory per rank (the master state and what FSDP keeps unsharded for the stage between
-    microbatches, `precision`'s dtypes), the most microbatches whose boundary input it keeps alive
-    at once (from the schedule's timetable, in the compute dtype) and, given the measured activation
-    bytes per layer (`saved`), the activation memory of that many in-flight microbatches plus the
-    largest recomputation, and the total with parameters, gradients and optimizer state. Built on
-    the meta device: no memory, any size."""
-    from titan_thd.parallel.fsdp import estimate_memory_per_rank  # fsdp imports parallel_dims
-    from titan_thd.pipeline.schedule import max_in_flight
-
-    pp = parallel_dims.pp
-    virtual = len(layers) // pp
-    itemsize = precision.compute.itemsize
-    boundary = math.prod(shape) * itemsize / 2**20
-    full = build_meta()
-    tied = pipeline.tied(full)
-    lines = []
-    for rank in range(pp):
-        # A view that shares the full model's modules (same FQNs): one meta build for all ranks.
-        part = _view(full)
-        part.layers = nn.ModuleDict(full.layers)
-        split_model(pipeline, part, layers, rank, pp, tied)
-        muon = matrix_params(part) if optimizer == "muon" and matrix_params else ()
-        mem = estimate_memory_per_rank(part, parallel_dims, optimizer, precision, muon, expert_params(part))
-        # The parts are unsharded meta models: FSDP's split is counted, tensor parallelism's not.
-        tp_note = f" (before the tp {parallel_dims.tp} split)" if getattr(parallel_dims, "tp", 1) > 1 else ""
-        ids = ", ".join(f"{layers[s][0]}-{layers[s][-1]}" for s in range(rank, len(layers), pp))
-        k = 4 * pp * virtual  # beyond this K the 1F1B-type schedules keep no more in flight
-        n = "K" if schedule == "GPipe" else str(max_in_flight(schedule, pp, virtual, rank, k))
-        flight = f"<= {n} x {boundary:.2f} MiB" + ("" if n == "K" else f" = {int(n) * boundary:.2f} MiB")
-        line = (
-            f"pp rank {rank}: layers {ids}, {sum(p.numel() for p in part.parameters()):,} parameters; "
-            f"{mem}{tp_note}; in-flight microbatch inputs {flight} (boundary {list(shape)}, {schedule})"
-        )
-        if saved is not None:  # the rank's largest chunk, once per in-flight (chunk, microbatch)
-            per_chunk = [
-                saved.stage([str(i) for i in layers[s]], s == 0, s == len(layers) - 1)
-                for s in range(rank, len(layers), pp)
-            ]
-            chunk, back = max(c for c, _ in per_chunk), max(b for _, b in per_chunk)
-            line += f"; saved activations <= {n} x {size(chunk)}"
-            if back:
-                line += f" + backward transient {size(back)}"
-            if n != "K":
-                acts = int(n) * chunk + back
-                line += f" = {size(acts)}; total {size(acts + mem.total_bytes)}"
-        lines.append(line)
-    return lines
-
-
-def size(n_bytes: float) -> str:
-    return f"{n_bytes / 2**30:.2f} GiB" if n_bytes >= 2**30 else f"{n_bytes / 2**20:.1f} MiB"
+    rank: int,
+    pp: int,
+    tied: tuple[str, ...],
+) -> nn.Module:
+    """`split_model`'s part of `rank` as a view of `full` (same submodules, same FQNs), leaving `full`
+    whole: every rank's part from one (meta) build, for the memory plan (memory/plan.py)."""
+    part = _view(full)
+    part.layers = nn.ModuleDict(full.layers)
+    return split_model(pipeline, part, layers, rank, pp, tied)

@@ -10,28 +10,20 @@ from __future__ import annotations
 
 import logging
 
-from torch import nn
-
-from titan_thd.components.live_memory import available_host_bytes
-from titan_thd.parallel.fsdp import largest_unsharded_unit_bytes
+from titan_thd.memory.live import available_host_bytes
+from titan_thd.memory.plan import RankMemory
 
 logger = logging.getLogger("titan_thd")
 
 MAX_STEP_SECONDS = 300
 
 
-def fake_step_fits(
-    model: nn.Module,
-    tokens_per_rank: int,
-    flops_per_rank: float,
-    peak_tflops: float,
-    activation_bytes: float = 0.0,
-) -> bool:
-    """True when the dry run's step fits the machine's free memory and MAX_STEP_SECONDS;
-    `activation_bytes`: what one microbatch's forward keeps for its backward (the header's measure),
-    which the step needs on top of the unit (without it a long microbatch ran this machine out of
-    memory)."""
-    unit = largest_unsharded_unit_bytes(model)
+def fake_step_fits(rank: RankMemory, tokens_per_rank: int, flops_per_rank: float, peak_tflops: float) -> bool:
+    """True when the dry run's step fits the machine's free memory and MAX_STEP_SECONDS; `rank`: this
+    rank's memory plan (memory/plan.py), whose largest FSDP unit and activations (what its microbatches'
+    forwards keep for their backward: without them a long microbatch ran this machine out of memory)
+    the step needs."""
+    unit, activation_bytes = rank.largest_unit_bytes, rank.activation_bytes
     logger.info("dry run: largest unsharded FSDP unit %.2f GiB (one all-gather)", unit / 2**30)
     need = 3 * unit + activation_bytes  # the unit's params, grads, workspace; the activations
     free = available_host_bytes()

@@ -35,6 +35,7 @@ from torch import nn
 from titan_thd.components.loss import cross_entropy_sum
 from titan_thd.data.batch_meta import BatchMeta
 from titan_thd.data.packer import pack_microbatch
+from titan_thd.memory.state import size
 from titan_thd.models.spec import ModelSpec, count_params
 from titan_thd.parallel.recompute import observe_decisions
 
@@ -84,10 +85,8 @@ def recomputation(
     from titan_thd.parallel.parallel_dims import ParallelDims
 
     one = ParallelDims(pp=1, dp_shard=1, cp=1, tp=1, world_size=1)
-    eager, every_block = dataclasses.replace(training, compile=False), dataclasses.replace(ac, layers=0)
-    return lambda model: spec.parallelize(
-        model, one, parallelism=parallelism, training=eager, activation_checkpoint=every_block
-    )
+    every_block = dataclasses.replace(ac, layers=0)
+    return lambda model: spec.parallelize(model, one, compile=False, ac=every_block)
 
 
 def measure(
@@ -302,8 +301,6 @@ def _activation_memory(spec, args, tokens, dtype, parallelism, training, ac, nar
 def summary(acts: ActivationMemory, tokens: int, other_bytes: int) -> str:
     """The log header's activation line of a run without pipeline parallelism (one microbatch in
     flight at a time); `other_bytes`: the rank's parameters, gradients and optimizer state."""
-    from titan_thd.pipeline.split import size
-
     saved, back = acts.stage(list(acts.kept.layers), first=True, last=True)
     return (
         f"activations per rank (measured per layer, docs/design.md §5.3): one microbatch of {tokens:,} "

@@ -1,7 +1,8 @@
-"""The log header's memory estimate of a rank against a measurement of real training steps (float64,
-one process, CPU): parameters, gradients and AdamW state (parallel/fsdp.py) plus one microbatch's
-saved activations and its largest recomputation (pipeline/activations.py) agree within 10 % with the
-peak of every live tensor (components/live_memory.py) over two optimizer steps, for both models,
+"""The run's memory plan of a rank (memory/plan.py, what the log header prints and the host refusal
+reads) against a measurement of real training steps (float64, one process, CPU): parameters,
+gradients and AdamW state (memory/state.py) plus one microbatch's saved activations and its largest
+recomputation (memory/activations.py) agree within 10 % with the peak of every live tensor
+(memory/live.py) over two optimizer steps, for both models,
 without recomputation, under `full`, under `full` on the first block only and under `selective`.
 
 Every document fills its microbatch: the estimate measures one document of T tokens, an upper bound
@@ -15,10 +16,10 @@ import pytest
 import torch
 
 from tests import _tiny_llama
-from titan_thd.components.live_memory import LiveBytes
 from titan_thd.config import load_config
-from titan_thd.parallel.fsdp import estimate_memory_per_rank
-from titan_thd.pipeline import activations
+from titan_thd.memory import activations
+from titan_thd.memory.live import LiveBytes
+from titan_thd.memory.state import estimate_memory_per_rank
 from titan_thd.train import Trainer
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
@@ -69,12 +70,15 @@ def _estimate_and_peak(model: str, extra: list[str], tmp_path) -> tuple[float, i
     assert acts is not None
     saved, back = acts.stage(list(acts.kept.layers), first=True, last=True)
     other = estimate_memory_per_rank(trainer.model, trainer.parallel_dims, "adamw", torch.float64)
+    # The plan (built on the meta device) holds the same figures as the built model and the measure.
+    (plan,) = trainer.memory.ranks
+    assert (plan.state, plan.in_flight, plan.saved_bytes, plan.backward_bytes) == (other, 1, saved, back)
     try:
         with LiveBytes([*trainer.model.parameters(), *trainer.model.buffers()]) as live:
             trainer.train()
     finally:
         trainer.close()
-    return saved + back + other.total_bytes, live.peak, (saved + back) / (saved + back + other.total_bytes)
+    return plan.steady_bytes, live.peak, plan.activation_bytes / plan.steady_bytes
 
 
 EXTENDED = {("dsv4", "none"), ("dsv4", "full first1"), ("dsv4", "full"), ("dsv4", "moe_act,mhc")}

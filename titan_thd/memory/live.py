@@ -8,8 +8,8 @@ A dispatch mode sees every tensor an op returns (forward, backward, optimizer; a
 backward in the calling thread under the same mode), keeps a weak reference to its storage and
 counts the storage's bytes until it is freed. Not seen: the memory an op uses internally and frees
 before it returns, and storages made outside the mode and not passed as `existing`. The activation
-memory estimate of the log header (pipeline/activations.py) is checked against it
-(tests/parallel/test_activation_memory.py); benchmarks/bench_memory.py reports it.
+memory estimate of the log header (memory/activations.py) is checked against it
+(tests/memory/test_activation_memory.py); benchmarks/bench_memory.py reports it.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Saved-activation bytes per layer (titan_thd/pipeline/activations.py): the count against a model
+"""Saved-activation bytes per layer (titan_thd/memory/activations.py): the count against a model
 whose saved tensors are known by hand, and the narrowed-copy extrapolation against a direct
 measurement of the same model (both exact: the bytes are integers)."""
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch import nn
 
+from titan_thd.memory import activations
 from titan_thd.models import get_model_spec
 from titan_thd.models.spec import ModelOutput, ModelSpec
-from titan_thd.pipeline import activations
 
 T, D, V = 64, 16, 32
 

@@ -1,0 +1,13 @@
+"""Memory: what each rank holds, decided once at start-up, and the measurements behind it.
+
+- plan.py: `plan_memory(...) -> MemoryPlan`, the one entry: every pipeline rank's sharded state,
+  stage copy, activations in flight, backward transient, start-up peak and largest FSDP unit; the
+  log header, the dry run and the host-memory refusal read it.
+- state.py: parameter, gradient and optimizer-state bytes of a rank's share (`estimate_memory_per_rank`),
+  the largest all-gather of a wrapped model, and `size`, the byte formatter of every memory line.
+- activations.py: the saved activations of one microbatch per layer, measured (docs/design.md §5.3).
+- live.py: what a process holds, measured (live tensors, max RSS, the host's available memory).
+- dry_run.py: whether a fake-process-group dry run's step is worth running.
+
+Its `__init__` imports nothing: import the modules themselves.
+"""

@@ -1,0 +1,312 @@
+"""Each rank's memory, decided once at start-up: `plan_memory(...) -> MemoryPlan`.
+
+    plan = plan_memory(spec, model_args, dims, stages, schedule, precision, "adamw", ...)
+    plan.ranks[r]            # pipeline rank r's figures (one entry without pipeline parallelism)
+    plan.host_bytes(4)       # what 4 ranks on one host need at once (the host-memory refusal)
+
+A pure function of resolved values: it builds the model on the meta device (no memory, any size)
+and, for the activations, measures one microbatch on a model of its own (memory/activations.py);
+no process group, no built model. Per pipeline rank (docs/design.md §5.3, §5.6):
+- the sharded state: parameters, gradients and optimizer state in the master dtype (memory/state.py);
+- under pipeline parallelism the unsharded stage copy FSDP keeps between microbatches;
+- the activations in flight: the schedule's microbatches in flight x the saved bytes of one;
+- the backward transient: one block's recomputation, or the loss gradient on the last stage;
+- the start-up peak (`startup_peak_bytes`) and the largest FSDP unit (one all-gather).
+Counted before tensor parallelism's split (the meta model is not tensor-parallel): under tp > 1 the
+figures are upper bounds, and the lines say so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Collection
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from titan_thd.memory import activations
+from titan_thd.memory.state import MemoryEstimate, estimate_memory_per_rank, size
+from titan_thd.pipeline.schedule import max_in_flight
+from titan_thd.pipeline.split import rank_part
+
+if TYPE_CHECKING:
+    from titan_thd.components.precision import Precision
+    from titan_thd.config import ActivationCheckpoint, Parallelism, Training
+    from titan_thd.models.spec import ModelSpec
+    from titan_thd.parallel.parallel_dims import ParallelDims
+
+BUILD_DTYPE = torch.float32
+"""What `spec.build` makes the full model in (torch's default dtype) before the cast to the master."""
+
+
+def startup_peak_bytes(full_params: int, shard_params: int, master: torch.dtype) -> int:
+    """The most one rank holds while the model is built, today: every rank builds the WHOLE model on
+    the CPU (in BUILD_DTYPE, then cast to the master dtype one parameter at a time) before it keeps
+    its pipeline stage and FSDP shard, and its shard is copied out while the full weights are still
+    alive. Parameters only (buffers are small); the optimizer state comes at the first step, when the
+    full weights are gone. Change this when the model is built as shards."""
+    return full_params * max(BUILD_DTYPE.itemsize, master.itemsize) + shard_params * master.itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class RankMemory:
+    """One pipeline rank's figures (every rank of that pipeline rank holds the same)."""
+
+    rank: int
+    """Pipeline rank (0 without pipeline parallelism)."""
+    layers: str
+    """Its stages' layers, e.g. `0-3, 8-11`."""
+    params: int
+    """Parameters of its part of the model, unsharded."""
+    state: MemoryEstimate
+    """Sharded state (params + grads + optimizer) and the unsharded stage copy (memory/state.py)."""
+    in_flight: int | None
+    """Most microbatches whose saved activations it keeps at once; None under GPipe (all K of a
+    step: known per step only; the totals count one, a lower bound)."""
+    saved_bytes: float | None
+    """Saved activations of one microbatch of its largest chunk; None: not measured (a model too
+    large to measure outside a dry run; the totals count none)."""
+    backward_bytes: float
+    """The backward's largest transient: one block's recomputation, or the loss gradient."""
+    largest_unit_bytes: int
+    """Its largest FSDP unit's full parameters in the dtype they are gathered in (one all-gather)."""
+    startup_bytes: int
+    """Peak while the model is built (`startup_peak_bytes`)."""
+
+    @property
+    def state_bytes(self) -> int:
+        """Sharded parameters, gradients and optimizer state (master dtype)."""
+        return self.state.param_bytes + self.state.grad_bytes + self.state.optimizer_bytes
+
+    @property
+    def stage_copy_bytes(self) -> int:
+        """What FSDP keeps unsharded for the stage between microbatches (0 without pipeline parallelism)."""
+        return self.state.stage_param_bytes + self.state.stage_grad_bytes
+
+    @property
+    def activation_bytes(self) -> float:
+        """Activations in flight plus the backward transient."""
+        return (self.in_flight or 1) * (self.saved_bytes or 0.0) + self.backward_bytes
+
+    @property
+    def steady_bytes(self) -> float:
+        """During training: state, stage copy, activations."""
+        return self.state.total_bytes + self.activation_bytes
+
+    @property
+    def total_bytes(self) -> float:
+        """The rank's peak: the larger of start-up and training."""
+        return max(self.startup_bytes, self.steady_bytes)
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """Every pipeline rank's memory (`ranks`), and where the ranks sit (mesh axes, pp outermost)."""
+
+    ranks: tuple[RankMemory, ...]
+    world_size: int
+    tokens: int
+    """Tokens of one microbatch per context-parallel rank (what the activations were measured at)."""
+    tp: int
+    """Tensor-parallel degree (the figures are counted before its split)."""
+    schedule: str | None
+    """The pipeline schedule (None without pipeline parallelism)."""
+    boundary: tuple[int, ...] | None
+    """Shape of one microbatch's stage-boundary input (None without pipeline parallelism)."""
+    boundary_bytes: float
+    acts: activations.ActivationMemory | None
+
+    @property
+    def per_rank_total(self) -> float:
+        """The largest pipeline rank's peak."""
+        return max(r.total_bytes for r in self.ranks)
+
+    def host_ranks(self, local_ranks: int) -> list[tuple[int, int]]:
+        """(pipeline rank, how many of its ranks) on the fullest host of `local_ranks` consecutive
+        global ranks (pp is the outermost mesh axis: global rank g is pipeline rank g // (world / pp))."""
+        per_pp = max(1, self.world_size // len(self.ranks))
+        hosts = [
+            range(h * local_ranks, (h + 1) * local_ranks)
+            for h in range(max(1, self.world_size // local_ranks))
+        ]
+
+        def counts(host: range) -> list[tuple[int, int]]:
+            pps = [(g // per_pp) % len(self.ranks) for g in host]
+            return [(r, pps.count(r)) for r in sorted(set(pps))]
+
+        return max((counts(h) for h in hosts), key=lambda c: sum(n * self.ranks[r].total_bytes for r, n in c))
+
+    def host_bytes(self, local_ranks: int) -> float:
+        """What the fullest host needs at once: its ranks' peaks (start-up included) summed."""
+        return sum(n * self.ranks[r].total_bytes for r, n in self.host_ranks(local_ranks))
+
+    def state_line(self) -> str:
+        """The header's parameter-memory line (pipeline rank 0's; every rank's under `stage_lines`)."""
+        return str(self.ranks[0].state) + self._tp_note()
+
+    def stage_lines(self) -> list[str]:
+        """The header's activation lines: one per pipeline rank, or the one stage's."""
+        if self.schedule is None:
+            r, acts = self.ranks[0], self.acts
+            if acts is None:
+                return [self.startup_line()]
+            return [activations.summary(acts, self.tokens, r.state.total_bytes), self.startup_line()]
+        mib = self.boundary_bytes / 2**20
+        lines = []
+        for r in self.ranks:
+            n = "K" if r.in_flight is None else str(r.in_flight)
+            flight = f"<= {n} x {mib:.2f} MiB" + ("" if n == "K" else f" = {int(n) * mib:.2f} MiB")
+            line = (
+                f"pp rank {r.rank}: layers {r.layers}, {r.params:,} parameters; {r.state}{self._tp_note()}; "
+                f"in-flight microbatch inputs {flight} (boundary {list(self.boundary or ())}, {self.schedule})"
+            )
+            if r.saved_bytes is not None:
+                line += f"; saved activations <= {n} x {size(r.saved_bytes)}"
+                if r.backward_bytes:
+                    line += f" + backward transient {size(r.backward_bytes)}"
+                if r.in_flight is not None:
+                    line += f" = {size(r.activation_bytes)}; total {size(r.steady_bytes)}"
+            lines.append(line)
+        return [*lines, self.startup_line()]
+
+    def startup_line(self) -> str:
+        r = max(self.ranks, key=lambda r: r.startup_bytes)
+        return (
+            f"start-up peak per rank {size(r.startup_bytes)} (every rank builds the whole model in "
+            f"{str(BUILD_DTYPE).removeprefix('torch.')} before keeping its share); peak per rank "
+            f"max(start-up, training) {size(self.per_rank_total)}"
+        )
+
+    def _tp_note(self) -> str:
+        return f" (before the tp {self.tp} split)" if self.tp > 1 else ""
+
+
+def plan_memory(
+    spec: ModelSpec,
+    model_args: Any,
+    dims: ParallelDims,
+    stages: list[list[int]] | None,
+    schedule: str,
+    precision: Precision,
+    optimizer: str,
+    matrix_params: Callable[[nn.Module], list[str]],
+    *,
+    parallelism: Parallelism,
+    training: Training,
+    ac: ActivationCheckpoint,
+    tokens: int,
+    narrow_ok: bool,
+) -> MemoryPlan:
+    """Every pipeline rank's `RankMemory` (one without pipeline parallelism). `stages`: each stage's
+    layer ids (None at pp 1); `matrix_params`: the parameters Muon updates (read for optimizer muon);
+    `parallelism`, `training`, `ac`: what the activation measurement applies (its recomputation);
+    `tokens`: one microbatch's tokens per context-parallel rank; `narrow_ok`: whether a model too
+    large to measure whole may be measured on narrowed copies (minutes of CPU)."""
+    acts = activations.activation_memory(
+        spec, model_args, tokens, precision.compute, parallelism, training, ac, narrow_ok=narrow_ok
+    )
+    with torch.device("meta"):
+        full = spec.build(model_args)
+    full_params = sum(p.numel() for p in full.parameters())
+    layers = stages if stages is not None else [[int(k) for k in full.layers]]
+    pp = len(layers) if stages is None else dims.pp
+    boundary = None
+    if stages is not None:
+        assert spec.pipeline is not None  # validate_pipeline refused pp > 1 without a stage split
+        # Under tensor parallelism the boundary carries this tp rank's sequence-parallel rows.
+        boundary = tuple(spec.pipeline.boundary_shape(model_args, tokens // dims.tp))
+    tied = spec.pipeline.tied(full) if stages is not None and spec.pipeline is not None else ()
+    ranks = []
+    for rank in range(pp):
+        part = full if stages is None else rank_part(spec.pipeline, full, layers, rank, pp, tied)
+        muon = matrix_params(part) if optimizer == "muon" else ()
+        experts = spec.expert_params(part)
+        state = estimate_memory_per_rank(part, dims, optimizer, precision, muon, experts)
+        chunks = range(rank, len(layers), pp)
+        in_flight: int | None = 1
+        if stages is not None:
+            virtual = len(layers) // pp
+            k = 4 * pp * virtual  # beyond this K the 1F1B-type schedules keep no more in flight
+            in_flight = None if schedule == "GPipe" else max_in_flight(schedule, pp, virtual, rank, k)
+        saved, back = None, 0.0
+        if acts is not None:  # the rank's largest chunk, once per in-flight (chunk, microbatch)
+            per_chunk = [
+                acts.stage([str(i) for i in layers[s]], s == 0, s == len(layers) - 1) for s in chunks
+            ]
+            saved, back = max(c for c, _ in per_chunk), max(b for _, b in per_chunk)
+        ranks.append(
+            RankMemory(
+                rank=rank,
+                layers=", ".join(f"{layers[s][0]}-{layers[s][-1]}" for s in chunks),
+                params=sum(p.numel() for p in part.parameters()),
+                state=state,
+                in_flight=in_flight,
+                saved_bytes=saved,
+                backward_bytes=back,
+                largest_unit_bytes=largest_unit_bytes(part, dims, precision, experts),
+                startup_bytes=startup_peak_bytes(full_params, state.params, precision.master),
+            )
+        )
+    return MemoryPlan(
+        ranks=tuple(ranks),
+        world_size=dims.world_size,
+        tokens=tokens,
+        tp=dims.tp,
+        schedule=schedule if stages is not None else None,
+        boundary=boundary,
+        boundary_bytes=math.prod(boundary) * precision.compute.itemsize if boundary else 0.0,
+        acts=acts,
+    )
+
+
+def largest_unit_bytes(
+    part: nn.Module, dims: ParallelDims, precision: Precision, experts: Collection[str]
+) -> int:
+    """The largest FSDP unit of a rank's (unsharded, meta) part as the model's `parallelize` cuts it:
+    each block of `part.layers`, under expert parallelism its routed experts apart (1 / ep of them
+    gathered), and the root (the rest), gathered in the compute dtype; without FSDP (one rank, no
+    mixed precision: parallel/fsdp.py fsdp_mesh) the whole part is one. An upper bound: the small
+    master-dtype units inside a block (dsv4's mHC) are counted in it."""
+    if not (dims.fsdp_enabled or precision.mixed):
+        return sum(p.numel() * precision.master.itemsize for p in part.parameters())
+    expert_names = set(experts) if dims.ep_enabled else set()
+    units: dict[str, int] = {}
+    for name, p in part.named_parameters():
+        top, _, rest = name.partition(".")
+        unit = f"layers.{rest.partition('.')[0]}" if top == "layers" else ""
+        if name in expert_names:
+            units[unit + " experts"] = units.get(unit + " experts", 0) + p.numel() // dims.ep
+        else:
+            units[unit] = units.get(unit, 0) + p.numel()
+    return max(units.values(), default=0) * precision.compute.itemsize
+
+
+def host_refusal(
+    plan: MemoryPlan, local_ranks: int, available: float, tokens_per_microbatch: int, cp: int, ac_mode: str
+) -> str:
+    """The host-memory refusal's message ("" when the fullest host's ranks fit in `available`): CPU
+    ranks share their host's memory, and a run that cannot fit is refused with the numbers instead of
+    being killed by the kernel in its first step (which can take the user's other work with it)."""
+    need = plan.host_bytes(local_ranks)
+    if need <= available:
+        return ""
+    counts = plan.host_ranks(local_ranks)
+
+    def each(r: RankMemory) -> str:
+        return size(r.total_bytes) + (" (start-up)" if r.startup_bytes > r.steady_bytes else "")
+
+    if len(counts) == 1:
+        ranks = f"{local_ranks} rank(s) on this host x {each(plan.ranks[counts[0][0]])} estimated per rank"
+    else:
+        listed = " + ".join(f"{n} x {each(plan.ranks[r])} (pp rank {r})" for r, n in counts)
+        ranks = f"{local_ranks} rank(s) on this host: {listed} estimated per rank"
+    line = "activation line" if plan.schedule is None else "pp rank lines"
+    return (
+        f"memory: {ranks} (the header's {line}: training.tokens_per_microbatch {tokens_per_microbatch:,} "
+        f"over context parallel degree {cp}, activation_checkpoint.mode = {ac_mode}) = {size(need)}, more "
+        f"than the {size(available)} this machine has available; recompute "
+        "(--activation_checkpoint.mode full), lower training.tokens_per_microbatch or raise "
+        "parallelism.context_parallel_degree"
+    )
