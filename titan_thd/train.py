@@ -56,15 +56,6 @@ from titan_thd.data.packed_batch import PackedBatch
 from titan_thd.data.stores import build_stores
 from titan_thd.data.tokenizer import Tokenizer
 from titan_thd.inference.evaluation import TrainingEvaluator
-from titan_thd.inputs import (
-    cache_dir,
-    check_inputs,
-    check_outputs,
-    data_layout,
-    env_world_size,
-    hybrid_threshold,
-    preflight,
-)
 from titan_thd.memory.dry_run import fake_step_fits
 from titan_thd.memory.live import available_host_bytes, max_rss_bytes
 from titan_thd.memory.plan import MemoryPlan, host_refusal, plan_memory
@@ -72,18 +63,20 @@ from titan_thd.models.compile import CompileClock
 from titan_thd.models.hf_tokenizer import write_tokenizer
 from titan_thd.models.spec import ModelSpec
 from titan_thd.parallel import distributed as dist_utils
-from titan_thd.parallel.context_parallel import resolve_mode
 from titan_thd.parallel.distributed import DistInfo
 from titan_thd.parallel.fsdp import build_on_meta
 from titan_thd.parallel.parallel_dims import ParallelDims
 from titan_thd.pipeline.runner import LazyInputs, LocalRunner, build
 from titan_thd.pipeline.schedule import PipelineSchedule, StageInput
+from titan_thd.startup import Run, check_outputs, env_world_size, preflight, resolve_run
 
 logger = logging.getLogger("titan_thd")
 
 
 class Trainer:
     # ---- configuration
+    run: Run
+    """Every decision start-up made (startup.py); `cfg` is the configuration as loaded, never written."""
     cfg: Config
     spec: ModelSpec
     model_args: Any
@@ -119,25 +112,29 @@ class Trainer:
     last_loss: float | None
 
     def __init__(self, cfg: Config):
-        self.cfg = cfg
-        t, p = cfg.training, cfg.parallelism
-
-        # Everything a user can get wrong is checked here, before any process group exists.
+        # Everything a user can get wrong is checked and every decision made here, before any
+        # process group exists; from here on the run's decisions are read from `run`, never from cfg.
         fake = cfg.comm.mode == "fake"
-        inputs = check_inputs(cfg, env_world_size("NGPU" if fake else "WORLD_SIZE"))
-        self.spec, self.tokenizer, self.model_args = inputs.spec, inputs.tokenizer, inputs.model_args
-        self.parallel_dims = dims = inputs.dims
+        self.run = run = resolve_run(cfg, env_world_size("NGPU" if fake else "WORLD_SIZE"))
+        self.cfg, self.spec, self.tokenizer, self.model_args = cfg, run.spec, run.tokenizer, run.model_args
+        self.parallel_dims = dims = run.dims
         check_outputs(cfg)  # a new run does not replace another run's metrics
         self.evaluator = (  # answer accuracy on held-out chat problems (titan_thd/inference/evaluation.py)
-            TrainingEvaluator(cfg.evaluation, t.steps, self.tokenizer, t.tokens_per_microbatch)
+            TrainingEvaluator(
+                cfg.evaluation,
+                cfg.training.steps,
+                self.tokenizer,
+                cfg.training.tokens_per_microbatch,
+                self.spec,
+            )
             if cfg.evaluation.enable
             else None
         )
-        self.precision, self.compile = inputs.precision, inputs.compile
+        self.precision, self.compile = run.precision, run.compile
 
         # Mixed precision is FSDP2's casting, on every layout: one process shards over a group of one.
         self.dist = dist_utils.init_distributed(cfg.comm, single_rank_group=self.precision.mixed)
-        if t.deterministic:
+        if cfg.training.deterministic:
             torch.use_deterministic_algorithms(True)
         dims.build_meshes(self.dist.device.type)
         cp_mesh = dims.get_optional_mesh("cp")
@@ -145,46 +142,41 @@ class Trainer:
             size=dims.cp,
             rank=dims.mesh_rank("cp"),
             group=None if cp_mesh is None else cp_mesh.get_group(),
-            mode=resolve_mode(p.context_parallel_mode, cfg.model.name, self.spec.cp_mode),  # checked above
-            hybrid_threshold=hybrid_threshold(cfg),
+            mode=run.cp_mode,
+            hybrid_threshold=run.hybrid_threshold,
         )
 
-        layout = data_layout(cfg, dims, self.spec, self.model_args, dp_rank=dims.mesh_rank("batch"))
+        layout = run.layout(dp_rank=dims.mesh_rank("batch"))
         store, val_store = self._token_stores()
         self.dataloader = build_dataloader(cfg.data, store, layout, self.tokenizer)
 
-        # Full weights on CPU from the seed, then this rank's part of them: the same seed gives the
-        # same model on every layout. A fake-PG dry run builds on the meta device (it may not fit).
-        torch.manual_seed(t.seed)
-        model = (
-            build_on_meta(lambda: self.spec.build(self.model_args))
-            if fake
-            else self.spec.build(self.model_args)
-        )
+        # Built on the meta device and cut and sharded there; then each rank allocates only its own
+        # shards and fills them from the seed (the same weights on every layout) or the checkpoint.
+        torch.manual_seed(cfg.training.seed)
+        # FSDP casts what it gathers; the master stays in this dtype.
+        model = build_on_meta(lambda: self.spec.build(self.model_args)).to(self.precision.master)
         if cfg.model.hf_path and fake:
             logger.warning("model.hf_path: not loaded in a fake-process-group dry run (meta weights)")
-        elif cfg.model.hf_path:  # full weights, before sharding; ValueError when the architecture differs
-            self.spec.init_from_hf(model, cfg.model.hf_path)
-        model.to(self.precision.master)  # FSDP casts what it gathers; the master stays in this dtype
-        fingerprint = model_fingerprint([model], model=cfg.model.name, flavor=cfg.model.flavor)
+        fingerprint = model_fingerprint([model], model=cfg.model.name, flavor=run.flavor)
         parts = build(
             model,
             self.spec,
             dims,
-            parallelism=p,
-            training=t,
-            activation_checkpoint=cfg.activation_checkpoint,
             model_args=self.model_args,
-            layers=inputs.stages,
-            device=self.dist.device,
+            stages=run.stages,
+            schedule=cfg.parallelism.pipeline_parallel_schedule,
+            tokens_per_microbatch=cfg.training.tokens_per_microbatch,
+            compile=self.compile.on,
+            ac=cfg.activation_checkpoint,
             precision=self.precision,
-            fake=fake,
+            device=self.dist.device,
+            init=None if fake else self._init_weights,
         )
         self.model, self.runner, self.param_count = parts.module, parts.runner, parts.num_params
         self.validator = self._validator(val_store, layout)
 
         self.optimizers = build_optimizers(self.model, cfg.optimizer, self.spec)
-        self.lr_schedulers = LRSchedulersContainer(self.optimizers, cfg.lr_scheduler, t.steps)
+        self.lr_schedulers = LRSchedulersContainer(self.optimizers, cfg.lr_scheduler, cfg.training.steps)
 
         self.step, self.tokens_seen = 0, 0
         self.first_step, self.train_seconds, self.last_loss = 0, 0.0, None  # this invocation's, for summary()
@@ -197,7 +189,7 @@ class Trainer:
             states={"train_state": self, "dataloader": self.dataloader},
             fingerprint=fingerprint,
             settings=run_settings(cfg),  # a resume with other settings is refused (run_settings.py)
-            layout=run_layout(dims, t.steps),
+            layout=run_layout(dims, cfg.training.steps),
         )
         self.stop = StopSignal(announce=self.dist.is_main)  # SIGTERM, Ctrl-C: installed by train()
         self.stopped = False  # whether a stop signal (to any rank) ended train() early
@@ -225,7 +217,7 @@ class Trainer:
                 self.spec,
                 self.model_args,
                 dims,
-                inputs.stages,
+                run.stages,
                 cfg.parallelism.pipeline_parallel_schedule,
                 self.precision,
                 cfg.optimizer.name,
@@ -437,6 +429,13 @@ class Trainer:
             logger.info("%s", exits.stopped_line(self.stop.received, self.step, saved, argv, self.cfg))
 
     # ------------------------------------------------------------------ helpers
+    def _init_weights(self, model: nn.Module) -> None:
+        """This rank's allocated shards: drawn from training.seed, then (model.hf_path) read from the
+        checkpoint, only the slices this rank holds (ValueError when the architecture differs)."""
+        model.init_weights(self.cfg.training.seed)
+        if self.cfg.model.hf_path:
+            self.spec.init_from_hf(model, self.cfg.model.hf_path)
+
     def _token_stores(self):
         """(training, validation or None) token stores; rank 0 tokenises first, the others then read
         its cache instead of repeating the work. (None, None) for offline packs (the loader reads them)."""
@@ -450,7 +449,7 @@ class Trainer:
             cfg.validation,
             self.tokenizer,
             cfg.training.seed,
-            cache_dir(cfg),
+            self.run.cache_dir,
             progress=self.dist.is_main,
         )
         if self.dist.rank == 0:
@@ -465,7 +464,7 @@ class Trainer:
         return Validator(
             cfg.validation,
             OrderedSteps(
-                store.view(layout.T, cfg.data.overlong), layout, pad_to_multiple=cfg.data.pad_to_multiple
+                store.view(layout.T, cfg.data.overlong), layout, pad_to_multiple=layout.pad_to_multiple
             ),
             runner=self.runner,
             prepare=self.local_inputs,
@@ -489,6 +488,7 @@ class Trainer:
         c, d, precision = self.cfg, self.parallel_dims, self.precision
         for line in header_lines(
             c,
+            flavor=self.run.flavor,
             dims=d,
             cp_mode=self.cp.mode,
             device=self.dist.device,

@@ -35,9 +35,9 @@ from titan_thd.data import deepseek_chat
 from titan_thd.data.chat_template import encode_prompt
 from titan_thd.data.tokenizer import END_OF_TURN, Tokenizer
 from titan_thd.inference.generate import Completion, generate
-from titan_thd.inputs import check_inputs
 from titan_thd.models.spec import ModelSpec, as_dtype
 from titan_thd.parallel.fsdp import build_on_meta
+from titan_thd.startup import resolve_run
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "train_configs"
 
@@ -140,8 +140,8 @@ def load_model(
 ) -> Loaded:
     """The model, tokenizer and config of a run (see the module docstring); ValueError on bad input."""
     cfg = inference_config(argv)
-    inputs = check_inputs(cfg, 1)
-    spec, tokenizer, model_args = inputs.spec, inputs.tokenizer, inputs.model_args
+    run = resolve_run(cfg, 1)
+    spec, tokenizer, model_args = run.spec, run.tokenizer, run.model_args
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(device)
@@ -153,12 +153,14 @@ def load_model(
     step_dir = None
     if checkpoint is not None:  # refuse another model's checkpoint before building anything
         step_dir = resolve_checkpoint(checkpoint, cfg.checkpoint.folder)
-        _checkpoint_manager(build_on_meta(lambda: spec.build(model_args)), step_dir, cfg).check_resumable()
-    torch.manual_seed(cfg.training.seed)  # the trainer's initialisation (what --untrained evaluates)
-    model = spec.build(model_args)
+        _checkpoint_manager(
+            build_on_meta(lambda: spec.build(model_args)), step_dir, cfg, run.flavor
+        ).check_resumable()
+    model = build_on_meta(lambda: spec.build(model_args)).to_empty(device="cpu")
+    model.init_weights(cfg.training.seed)  # the trainer's initialisation (what --untrained evaluates)
     if step_dir is not None:
         model.to(as_dtype(cfg.training.dtype))
-        _checkpoint_manager(model, step_dir, cfg).load()
+        _checkpoint_manager(model, step_dir, cfg, run.flavor).load()
         source = f"checkpoint {step_dir}"
     elif cfg.model.hf_path:
         spec.init_from_hf(model, cfg.model.hf_path)
@@ -166,13 +168,13 @@ def load_model(
     else:
         source = f"untrained (seed {cfg.training.seed})"
     model = model.to(device=device, dtype=as_dtype(dtype)).eval()
-    label = f"{cfg.model.name}/{cfg.model.flavor or 'config.json'}"
+    label = f"{cfg.model.name}/{run.flavor or 'config.json'}"
     return Loaded(
         model, tokenizer, cfg, spec, device, cfg.training.tokens_per_microbatch, f"{label} {source}"
     )
 
 
-def _checkpoint_manager(model: nn.Module, step_dir: Path, cfg: Config) -> CheckpointManager:
+def _checkpoint_manager(model: nn.Module, step_dir: Path, cfg: Config, flavor: str) -> CheckpointManager:
     """A manager that loads only the model entries of a trainer checkpoint (the optimizer, data and
     schedule state stay on disk), after checking its fingerprint and its files' CRC-32s."""
     if not (step_dir / "meta.json").is_file():
@@ -189,7 +191,7 @@ def _checkpoint_manager(model: nn.Module, step_dir: Path, cfg: Config) -> Checkp
         optimizer=None,
         lr_schedulers=[],
         states={},
-        fingerprint=model_fingerprint([model], model=cfg.model.name, flavor=cfg.model.flavor),
+        fingerprint=model_fingerprint([model], model=cfg.model.name, flavor=flavor),
     )
 
 

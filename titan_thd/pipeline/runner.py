@@ -120,11 +120,11 @@ def build(
     ac: ActivationCheckpoint,
     precision: Precision,
     device: torch.device,
-    fake: bool = False,
+    init: Callable[[nn.Module], None] | None,
 ) -> ModelParts:
-    """This rank's part of the full `model` under the layout (`stages`: each pipeline stage's layer
-    ids, None without pipeline parallelism; `schedule`: the pipeline schedule's name), on `device`,
-    with its runner; the stages exchange activations and their gradients in the compute dtype. Every rank must call it (process groups
+    """This rank's part of the meta-device `model` under the layout (`stages`: each pipeline stage's
+    layer ids, None without pipeline parallelism; `schedule`: the pipeline schedule's name), allocated
+    on `device` and filled by `init` (None: a fake-process-group dry run's values), with its runner; the stages exchange activations and their gradients in the compute dtype. Every rank must call it (process groups
     of tied weights are created collectively)."""
     chunks, tied = [model], ()
     if stages is not None:  # keep this rank's stages only (before sharding them over dp x cp)
@@ -136,9 +136,14 @@ def build(
     num_params = count_params(model)
     if spec.parallelize is not None:  # each chunk is sharded as a model of its own
         chunks = [spec.parallelize(c, dims, compile=compile, ac=ac, precision=precision) for c in chunks]
-    if fake:
+    # Only now is memory allocated: this rank's shards of its stages, on its device.
+    if init is None:  # a fake-process-group dry run: values only to run the step
         materialize_sharded(model)
-    model = model.to(device).train()
+        model = model.to(device)
+    else:
+        model.to_empty(device=device)
+        init(model)
+    model = model.train()
     if stages is None:
         return ModelParts(model, LocalRunner(model, dims.tp_enabled, device), num_params)
     on_end = pp_rank in (0, pp - 1)

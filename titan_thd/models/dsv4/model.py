@@ -38,6 +38,7 @@ from titan_thd.models.dsv4.mtp import MTPBlock, mtp_inputs_targets
 from titan_thd.models.dsv4.norm import RMSNorm
 from titan_thd.models.dsv4.plans import get_plan
 from titan_thd.models.spec import ModelOutput, build_initialised
+from titan_thd.parallel.seeded_init import InitRule, init_seeded
 
 
 class DSv4Model(nn.Module):
@@ -102,42 +103,51 @@ class DSv4Model(nn.Module):
         acc = torch.promote_types(logits_rV.dtype, torch.float32)
         return F.cross_entropy(logits_rV.to(acc), target_T[rows_r], reduction="sum")
 
-    @torch.no_grad()
-    def init_weights(self) -> None:
-        """Draw every parameter and buffer from the global RNG in a fixed module order.
+    def init_weights(self, seed: int | None = None) -> None:
+        """Fill every parameter and buffer (whole, or this rank's shards) from `seed` alone, a value
+        per (tensor, block of rows): the same weights on every parallel layout (parallel/seeded_init.py).
+        `seed` None: drawn from the global RNG (a model built under `torch.manual_seed(s)`)."""
+        if seed is None:
+            seed = int(torch.randint(2**62, ()))
+        init_seeded(self, seed, self.init_rules())
 
-        Depends only on the RNG state, never on the parallel layout (build under a seed, then shard).
-        Matrices N(0, init_std); norms 1; mHC base 0 and scales 1; sinks and slot biases 0; balancing
-        biases 0; each hash layer gets a random table of distinct experts per token id.
-        """
+    def init_rules(self) -> dict[str, InitRule]:
+        """{fqn: rule} of every parameter and buffer. Matrices N(0, init_std); norms 1; mHC base 0
+        and scales 1; sinks and slot biases 0; balancing biases and loads 0; each hash layer gets a
+        random table of distinct experts per token id."""
         std = self.args.init_std
-        for module in self.modules():
+        rules: dict[str, InitRule] = {}
+
+        def normal(t: torch.Tensor, g: torch.Generator) -> None:
+            t.normal_(0.0, std, generator=g)
+
+        def zeros(t: torch.Tensor, g: torch.Generator) -> None:
+            t.zero_()
+
+        def ones(t: torch.Tensor, g: torch.Generator) -> None:
+            t.fill_(1)
+
+        for prefix, module in self.named_modules():
+            at = f"{prefix}." if prefix else ""
             if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(_local(module.weight), std=std)
+                rules[at + "weight"] = normal
             elif isinstance(module, Experts):
-                # Expert by expert, w1 w2 w3 each: the draws of per-expert nn.Linear weights.
-                w1, w2, w3 = _local(module.w1), _local(module.w2), _local(module.w3)
-                for e in range(w1.shape[0]):
-                    for w in (w1, w2, w3):
-                        nn.init.normal_(w[e], std=std)
+                rules |= {at + "w1": normal, at + "w2": normal, at + "w3": normal}
             elif isinstance(module, RMSNorm):
-                nn.init.ones_(_local(module.weight))
+                rules[at + "weight"] = ones
             elif isinstance(module, (HyperConnection, HyperHead)):
-                nn.init.normal_(_local(module.fn), std=std)
-                nn.init.zeros_(_local(module.base))
-                nn.init.ones_(_local(module.scale))
+                rules |= {at + "fn": normal, at + "base": zeros, at + "scale": ones}
             elif isinstance(module, Compressor):
-                nn.init.zeros_(_local(module.ape))
+                rules[at + "ape"] = zeros
             elif isinstance(module, Attention):
-                nn.init.zeros_(_local(module.attn_sink))
+                rules[at + "attn_sink"] = zeros
             elif isinstance(module, Gate):
-                nn.init.normal_(_local(module.weight), std=std)
+                rules[at + "weight"] = normal
                 if module.hash_routed:
-                    V, k = module.tid2eid.shape
-                    module.tid2eid.copy_(torch.rand(V, module.weight.shape[0]).argsort(-1)[:, :k])
+                    rules[at + "tid2eid"] = _hash_table(module.weight.shape[0])
                 else:
-                    module.bias.zero_()
-                    module.load.zero_()
+                    rules |= {at + "bias": zeros, at + "load": zeros}
+        return rules
 
     def router_gates(self) -> list[Gate]:
         """Learned (bias-balanced) routers, MTP included."""
@@ -162,8 +172,13 @@ def per_document_logits(model: nn.Module, tokens_BS: torch.Tensor, lengths_B: li
     return logits_BSV
 
 
-def _local(p: torch.Tensor) -> torch.Tensor:
-    return p.to_local() if isinstance(p, DTensor) else p
+def _hash_table(n_experts: int) -> InitRule:
+    """A hash layer's token -> experts table: k distinct experts per token id (a row per token)."""
+
+    def rule(t: torch.Tensor, g: torch.Generator) -> None:
+        t.copy_(torch.rand(t.shape[0], n_experts, generator=g).argsort(-1)[:, : t.shape[1]])
+
+    return rule
 
 
 def build_dsv4(args: DSv4Args) -> DSv4Model:

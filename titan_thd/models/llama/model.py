@@ -22,13 +22,13 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from titan_thd.data.batch_meta import BatchMeta
 from titan_thd.models.llama.args import LlamaArgs
 from titan_thd.models.spec import ModelOutput, build_initialised
 from titan_thd.ops.rope import apply_rope, rope_cos_sin, rope_tables
 from titan_thd.ops.varlen_attention import VarlenAttention
+from titan_thd.parallel.seeded_init import InitRule, init_seeded
 
 
 def build_inner_attention(args: LlamaArgs) -> nn.Module:
@@ -128,30 +128,35 @@ class Llama(nn.Module):
         logits_TV = self.output(h_TD) if self.output is not None else h_TD
         return ModelOutput(logits_TV, {})
 
-    @torch.no_grad()
-    def init_weights(self) -> None:
-        """Re-draw every parameter from the global RNG in a fixed module order.
+    def init_weights(self, seed: int | None = None) -> None:
+        """Fill every parameter (whole, or this rank's shards) from `seed` alone, a value per (tensor,
+        block of rows): the same weights on every parallel layout (parallel/seeded_init.py). `seed`
+        None: drawn from the global RNG (a model built under `torch.manual_seed(s)`)."""
+        if seed is None:
+            seed = int(torch.randint(2**62, ()))
+        init_seeded(self, seed, self.init_rules())
 
-        The result depends only on the RNG state, never on the parallel layout: build the full model
-        under `torch.manual_seed(seed)`, then shard. On already sharded parameters each rank draws
-        its local shard (values then differ from the full-model ones: for meta-device dry runs only).
-        """
+    def init_rules(self) -> dict[str, InitRule]:
+        """{fqn: rule} of every parameter: embeddings N(0, 1), norms 1, the projections into a block
+        truncated N(0, 0.02) and those back into the residual stream N(0, 0.02 / sqrt(2 n_layers))
+        (keeps the residual stream O(1) in depth), the output truncated N(0, dim^-1/2)."""
         std = 0.02
-        residual_std = std / math.sqrt(2 * self.args.n_layers)  # keeps the residual stream O(1) in depth
+        residual_std = std / math.sqrt(2 * self.args.n_layers)
+        rules: dict[str, InitRule] = {}
         if self.tok_embeddings is not None:
-            nn.init.normal_(_local(self.tok_embeddings.weight), std=1.0)
-        for layer in self.layers.values():
-            for norm in (layer.attention_norm, layer.ffn_norm):
-                nn.init.ones_(_local(norm.weight))
-            attn, ffn = layer.attention, layer.feed_forward
-            for linear in (attn.wq, attn.wk, attn.wv, ffn.w1):
-                _trunc_normal(linear.weight, std)
-            for linear in (attn.wo, ffn.w2, ffn.w3):
-                _trunc_normal(linear.weight, residual_std)
+            rules["tok_embeddings.weight"] = _normal(1.0)
+        for i, layer in self.layers.items():
+            at = f"layers.{i}."
+            rules |= {at + "attention_norm.weight": _ones, at + "ffn_norm.weight": _ones}
+            for name in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1"):
+                rules[f"{at}{name}.weight"] = _trunc_normal(std)
+            for name in ("attention.wo", "feed_forward.w2", "feed_forward.w3"):
+                rules[f"{at}{name}.weight"] = _trunc_normal(residual_std)
         if self.norm is not None:
-            nn.init.ones_(_local(self.norm.weight))
+            rules["norm.weight"] = _ones
         if self.output is not None:
-            _trunc_normal(self.output.weight, self.args.dim**-0.5)
+            rules["output.weight"] = _trunc_normal(self.args.dim**-0.5)
+        return rules
 
 
 def padded_logits(model: nn.Module, tokens_BS: torch.Tensor, lengths_B: list[int]) -> torch.Tensor:
@@ -161,12 +166,16 @@ def padded_logits(model: nn.Module, tokens_BS: torch.Tensor, lengths_B: list[int
     return model(tokens_BS, None).logits
 
 
-def _local(p: torch.Tensor) -> torch.Tensor:
-    return p.to_local() if isinstance(p, DTensor) else p
+def _normal(std: float) -> InitRule:
+    return lambda t, g: t.normal_(0.0, std, generator=g)
 
 
-def _trunc_normal(p: torch.Tensor, std: float) -> None:
-    nn.init.trunc_normal_(_local(p), std=std, a=-3 * std, b=3 * std)
+def _trunc_normal(std: float) -> InitRule:
+    return lambda t, g: nn.init.trunc_normal_(t, std=std, a=-3 * std, b=3 * std, generator=g)
+
+
+def _ones(t: torch.Tensor, g: torch.Generator) -> None:
+    t.fill_(1)
 
 
 def build_llama(args: LlamaArgs) -> Llama:
