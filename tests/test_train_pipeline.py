@@ -356,3 +356,51 @@ def test_fake_mode_dry_run_prints_every_stage(tmp_path):
         saved.of([str(i) for i in range(4, 8)], False, True),
     ]
     assert shown == [round(w / 2**20, 1) for w in want]
+
+
+# ============================================================================ host memory
+def _refusal_pp2(rank: int, world_size: int, dump: Path):
+    """Both ranks of a PP2 run on one host: the refusal against 1 byte less than the plan's host sum
+    (its message, raised on every rank), then against exactly enough ("" = it passes)."""
+    import titan_thd.train as train_module
+    from titan_thd.parallel import distributed as dist_utils
+
+    _env(rank, world_size)
+    trainer = Trainer(config(dump, "adamw", "--parallelism.pipeline_parallel_degree", "2"))
+    try:
+        plan = dist_utils.broadcast_object(trainer.memory)  # rank 0's: the one the refusal reads
+        need = plan.host_bytes(2)
+        os.environ["LOCAL_WORLD_SIZE"] = "2"
+        messages = []
+        for available in (need - 1, need):
+            train_module.available_host_bytes = lambda available=available: available
+            try:
+                trainer._refuse_beyond_host_memory()
+                messages.append("")
+            except ValueError as e:
+                messages.append(str(e))
+    finally:
+        trainer.close()
+    return plan, messages
+
+
+@pytest.mark.slow
+def test_a_pipeline_run_beyond_the_hosts_memory_is_refused_with_the_numbers(tiny_llama, tmp_path):
+    """The refusal reads the memory plan on every layout: under PP2 the host holds pipeline ranks 0
+    and 1, whose different figures it names and sums (start-up peak included)."""
+    from titan_thd.memory.state import size
+
+    torch.set_num_threads(1)
+    (plan, messages), (_, other) = spawn(_refusal_pp2, 2, tmp_path, timeout=600)
+    assert other == messages and messages[1] == ""  # every rank refuses together; enough passes
+    r0, r1 = plan.ranks
+    assert r0.total_bytes != r1.total_bytes and min(r0.saved_bytes, r1.saved_bytes) > 0
+    need = r0.total_bytes + r1.total_bytes
+    for part in (
+        f"memory: 2 rank(s) on this host: 1 x {size(r0.total_bytes)}",
+        f"(pp rank 0) + 1 x {size(r1.total_bytes)} (pp rank 1) estimated per rank",
+        f") = {size(need)}, more than the {size(need - 1)} this machine has available",
+        "activation_checkpoint.mode = none",
+        "--activation_checkpoint.mode full",
+    ):
+        assert part in messages[0], (part, messages[0])
