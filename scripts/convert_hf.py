@@ -15,20 +15,27 @@ With --config (the run's TOML, a path or a name in train_configs/, plus `--secti
 as for the trainer) `to-hf` reads a trainer checkpoint of any parallel layout: `RUN/checkpoint/step-N`, or
 a run folder / checkpoint folder for its newest step (titan_thd/inference/loading.py checks the
 checkpoint's model fingerprint against the config). The export then holds config.json (with the
-tokenizer's bos / eos / pad ids), model.safetensors, tokenizer.json, tokenizer_config.json (with the
-chat template) and generation_config.json, so `generate` stops at the end of an assistant turn
+tokenizer's bos / eos / pad ids), the weights, tokenizer.json, tokenizer_config.json (with the chat
+template) and generation_config.json, so `generate` stops at the end of an assistant turn
 (titan_thd/models/hf_tokenizer.py).
+
+`to-hf` never builds the model: it streams the checkpoint's model entries a group at a time
+(titan_thd/models/hf_write.py) into safetensors files of at most `--max-shard-size` bytes (default
+5GB, as transformers), `model.safetensors` alone or `model-0000K-of-0000N.safetensors` with
+`model.safetensors.index.json`; peak memory is about 1.25 files plus the largest tensor plus the
+process (docs/dsv4.md §17.3).
 
     # a trainer checkpoint written before the routed experts were stacked (one tensor per expert)
     # -> the same checkpoint with [E, out, in] stacks (model and optimizer state; resumable)
     .venv/bin/python scripts/convert_hf.py stack-experts outputs/x/checkpoint/step-60 NEW/step-60
 
 The DCP state dict has the trainer's layout (`{"model": {fqn: tensor}}`, so keys `model.<fqn>`),
-written by one process; DCP reshards it when a multi-rank job loads it. The HF side uses
-`titan_thd.models.dsv4.hf_interop` (the one place that maps names). `to-dcp` reads DeepSeek's published
-FP8 / packed-FP4 checkpoints too: their weights are dequantised to float32 (docs/dsv4.md §17.1). For `to-hf` the architecture
-comes from the flavor (its vocabulary size is taken from the checkpoint's embedding, since the
-trainer rounds the tokenizer's up to a multiple of 64) or from an HF config.json; `to-dcp` copies
+written by one process; DCP reshards it when a multi-rank job loads it. The model family is reached
+through its ModelSpec (`hf_args` reads config.json, `init_from_hf` loads, `export_hf` writes; the
+names live in titan_thd/models/<family>/). `to-dcp` reads DeepSeek's published FP8 / packed-FP4
+checkpoints too: their weights are dequantised to float32 (docs/dsv4.md §17.1). For `to-hf` the
+architecture comes from the flavor (its vocabulary size is taken from the checkpoint's embedding, since
+the trainer rounds the tokenizer's up to a multiple of 64) or from an HF config.json; `to-dcp` copies
 config.json next to the shards so the folder converts back with `--hf-config OUT_DIR/config.json`.
 `to-hf` also reads the per-expert layout of checkpoints written before the experts were stacked.
 """
@@ -41,6 +48,7 @@ import json
 import re
 import shutil
 import sys
+import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
@@ -49,17 +57,45 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from titan_thd.components.checkpoint import META_FILE, PER_EXPERT_PARAM, write_meta
-from titan_thd.inference.loading import config_argv, load_model, one_line
-from titan_thd.models.dsv4 import build_dsv4, export_hf, flavors, load_hf
-from titan_thd.models.dsv4.hf_interop import args_from_hf_config, split_experts, stack_experts
+from titan_thd.inference.loading import (
+    _checkpoint_manager,
+    config_argv,
+    inference_config,
+    one_line,
+    resolve_checkpoint,
+)
+from titan_thd.models import MODEL_NAMES, get_model_spec
+from titan_thd.models.hf_write import DEFAULT_MAX_SHARD_SIZE, DcpSource, parse_size
+from titan_thd.parallel.fsdp import build_on_meta
+from titan_thd.startup import resolve_run
 
 HF_EXTRA = "the hf extra (safetensors, transformers): install it with ./scripts/setup_env.sh hf"
 
 
+def hf_family(hf_dir: Path):
+    """(spec, args) of the family whose `hf_args` reads the folder's config.json (its model_type)."""
+    errors = []
+    for name in MODEL_NAMES:
+        spec = get_model_spec(name)
+        if spec.hf_args is None:
+            continue
+        try:
+            return spec, spec.hf_args(str(hf_dir))
+        except ValueError as e:
+            errors.append(f"{name}: {one_line(e)}")
+    raise ValueError(f"{hf_dir}: no model family reads this config.json ({'; '.join(errors)})")
+
+
 def to_dcp(hf_dir: Path, out: Path, flavor: str | None) -> None:
-    model, args = load_hf(hf_dir, flavor)
+    spec, args = hf_family(hf_dir)
+    if flavor is not None:
+        if flavor not in spec.flavors:
+            raise ValueError(f"--flavor {flavor!r}: expected one of {list(spec.flavors)} ({spec.name})")
+        spec.check_hf(spec.flavors[flavor], str(hf_dir), f"flavor {flavor!r}")
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"{out} exists and is not empty")
+    model = spec.build(args)  # initialised: what the folder lacks (transformers writes no MTP) keeps it
+    spec.init_from_hf(model, str(hf_dir))
     out.mkdir(parents=True, exist_ok=True)
     with warnings.catch_warnings():  # DCP warns that no process group exists: one writer is intended
         warnings.simplefilter("ignore")
@@ -68,61 +104,127 @@ def to_dcp(hf_dir: Path, out: Path, flavor: str | None) -> None:
     print(f"wrote {out}: {len(model.state_dict())} model tensors, args {args.architecture()}")
 
 
-def run_to_hf(src: Path, out: Path, config: str, overrides: list[str], dtype: str | None) -> None:
-    """A trainer checkpoint with its run's config -> HF folder with the tokenizer files."""
-    from titan_thd.models.llama import hf_interop as llama_hf
-
-    loaded = load_model(config_argv(config) + overrides, src)
-    cfg, model = loaded.cfg, loaded.model
-    source = None if cfg.data.tokenizer == "byte" else cfg.data.tokenizer
-    kwargs = {"tokenizer": loaded.tokenizer, "tokenizer_source": source, "context": loaded.context}
-    torch_dtype = getattr(torch, dtype) if dtype else None
-    if cfg.model.name == "dsv4":
-        export_hf(model, model.args, out, torch_dtype, **kwargs)
-    else:
-        llama_hf.export_hf(model, out, torch_dtype, **kwargs)
+def run_to_hf(
+    src: Path, out: Path, config: str, overrides: list[str], dtype: str | None, max_shard_size: int
+) -> None:
+    """A trainer checkpoint with its run's config -> HF folder with the tokenizer files, streamed from
+    the checkpoint's model entries a group at a time (the model is never built)."""
+    cfg = inference_config(config_argv(config) + overrides)
+    run = resolve_run(cfg, 1)
+    if run.spec.export_hf is None:
+        raise ValueError(f"model {cfg.model.name} has no Hugging Face export (its ModelSpec.export_hf)")
+    step_dir = resolve_checkpoint(src, cfg.checkpoint.folder)
+    meta = build_on_meta(lambda: run.spec.build(run.model_args))
+    _checkpoint_manager(meta, step_dir, cfg, run.flavor).check_resumable()  # fingerprint, CRCs
+    run.spec.export_hf(
+        DcpSource(step_dir, "model."),
+        run.model_args,
+        out,
+        getattr(torch, dtype) if dtype else None,
+        tokenizer=run.tokenizer,
+        tokenizer_source=None if cfg.data.tokenizer == "byte" else cfg.data.tokenizer,
+        context=cfg.training.tokens_per_microbatch,
+        max_shard_size=max_shard_size,
+    )
     files = ", ".join(sorted(p.name for p in out.iterdir()))
-    print(f"wrote {out} from {loaded.source}: {files}")
+    print(f"wrote {out} from checkpoint {step_dir}: {files}")
 
 
-def to_hf(dcp_dir: Path, out: Path, flavor: str | None, hf_config: Path | None, dtype: str | None) -> None:
+def _dcp_args(spec, source: DcpSource, flavor: str | None, hf_config: Path | None):
+    """The args of a DCP folder: from an HF config.json, or a flavor with the checkpoint's vocabulary
+    (the trainer rounds the tokenizer's up): the model's first tensor is its embedding [V, d]."""
+    if hf_config is not None:
+        if spec.hf_args is None:
+            raise ValueError(f"model {spec.name} reads no config.json (its ModelSpec has no hf_args)")
+        if hf_config.name == "config.json":
+            return spec.hf_args(str(hf_config.parent))
+        with tempfile.TemporaryDirectory() as tmp:
+            shutil.copy(hf_config, Path(tmp) / "config.json")
+            return spec.hf_args(tmp)
+    args = spec.flavors[flavor]
+    first = next(iter(build_on_meta(lambda: spec.build(args)).state_dict()))
+    return dataclasses.replace(args, vocab_size=source.entries()[first][0][0])
+
+
+def to_hf(
+    dcp_dir: Path,
+    out: Path,
+    flavor: str | None,
+    hf_config: Path | None,
+    dtype: str | None,
+    max_shard_size: int,
+) -> None:
+    """A DCP folder (to-dcp's, or a checkpoint without its run's config) -> HF folder, streamed."""
     if (flavor is None) == (hf_config is None):
         raise ValueError(
             "to-hf needs --config (the run's TOML: the model, and the tokenizer files to export), or for a "
-            "dsv4 DCP folder exactly one of --flavor or --hf-config"
+            "DCP folder exactly one of --flavor or --hf-config"
         )
-    if not (dcp_dir / ".metadata").is_file():
-        raise ValueError(f"{dcp_dir}: not a DCP checkpoint (no .metadata)")
-    metadata = dcp.FileSystemReader(dcp_dir).read_metadata().state_dict_metadata
-    if "model.embed.weight" not in metadata:
-        raise ValueError(f"{dcp_dir}: no model.embed.weight entry; is it a dsv4 checkpoint?")
-    if hf_config is not None:
-        args = args_from_hf_config(json.loads(hf_config.read_text()), str(hf_config))
-    else:
-        if flavor not in flavors:
-            raise ValueError(f"--flavor {flavor!r}: expected one of {list(flavors)}")
-        vocab = metadata["model.embed.weight"].size[0]
-        args = dataclasses.replace(flavors[flavor], vocab_size=vocab)
-    model = build_dsv4(args)
-    # A checkpoint from before the experts were stacked holds one entry per expert: read those.
-    legacy = any(PER_EXPERT_PARAM.search(k) for k in metadata)
-    state = {"model": split_experts(model.state_dict()) if legacy else model.state_dict()}
-    missing = [f"model.{k}" for k in state["model"] if f"model.{k}" not in metadata]
+    source = DcpSource(dcp_dir, "model.")
+    entries = source.entries()
+    # The family whose model fits the entries: its flavor, or the one reading the config.json.
+    spec = args = None
+    for name in MODEL_NAMES:
+        candidate = get_model_spec(name)
+        if candidate.export_hf is None or (flavor is not None and flavor not in candidate.flavors):
+            continue
+        try:
+            cand_args = _dcp_args(candidate, source, flavor, hf_config)
+        except (ValueError, KeyError):
+            continue
+        first = next(iter(build_on_meta(lambda c=candidate, a=cand_args: c.build(a)).state_dict()))
+        if first in entries:
+            spec, args = candidate, cand_args
+            break
+    if spec is None:
+        raise ValueError(
+            f"{dcp_dir}: no model family with "
+            + (f"flavor {flavor!r}" if flavor else f"the config {hf_config}")
+            + " fits its entries"
+        )
+    expected = build_on_meta(lambda: spec.build(args)).state_dict()
+    # A checkpoint from before the experts were stacked holds one entry per expert instead.
+    legacy = any(PER_EXPERT_PARAM.search(k) for k in entries)
+    missing = [
+        f"model.{k}"
+        for k in expected
+        if k not in entries and not (legacy and re.search(r"experts\.w[123]$", k))
+    ]
     if missing:
         raise ValueError(f"{dcp_dir} lacks {len(missing)} tensors of this architecture, e.g. {missing[:5]}")
     shapes = [
-        f"model.{k}: checkpoint {tuple(metadata[f'model.{k}'].size)} vs {tuple(v.shape)}"
-        for k, v in state["model"].items()
-        if tuple(metadata[f"model.{k}"].size) != tuple(v.shape)
+        f"model.{k}: checkpoint {entries[k][0]} vs {tuple(v.shape)}"
+        for k, v in expected.items()
+        if k in entries and entries[k][0] != tuple(v.shape)
     ]
     if shapes:
         raise ValueError(f"{dcp_dir} does not have this architecture's shapes: " + "; ".join(shapes[:5]))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        dcp.load(state, storage_reader=dcp.FileSystemReader(dcp_dir))
-    model.load_state_dict(stack_experts(state["model"]) if legacy else state["model"])
-    export_hf(model, args, out, dtype=getattr(torch, dtype) if dtype else None)
-    print(f"wrote {out}: config.json + model.safetensors" + (" (from per-expert entries)" if legacy else ""))
+    spec.export_hf(source, args, out, getattr(torch, dtype) if dtype else None, max_shard_size=max_shard_size)
+    files = sorted(p.name for p in out.iterdir() if p.suffix == ".safetensors")
+    print(
+        f"wrote {out}: config.json + {len(files)} safetensors file(s)"
+        + (" (from per-expert entries)" if legacy else "")
+    )
+
+
+_PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(w[123])\.weight$")
+
+
+def _stack_per_expert(state: dict[str, Any]) -> dict[str, Any]:
+    """`<layer>.ffn.experts.<e>.w1.weight` entries (the layout before stacking) -> `<layer>.ffn.experts.w1`
+    [E, out, in] stacks (shapes too: meta tensors stack); other entries pass unchanged."""
+    out: dict[str, Any] = {}
+    per_expert: dict[str, dict[int, Any]] = {}
+    for key, value in state.items():
+        m = _PER_EXPERT.match(key)
+        if m is None:
+            out[key] = value
+        else:
+            per_expert.setdefault(f"{m.group(1)}.{m.group(3)}", {})[int(m.group(2))] = value
+    for key, by_id in per_expert.items():
+        assert sorted(by_id) == list(range(len(by_id))), (key, sorted(by_id))
+        out[key] = torch.stack([by_id[e] for e in sorted(by_id)])
+    return out
 
 
 _EXPERT_OPTIM = re.compile(r"^(state|param_groups)\.(.*\.ffn\.experts)\.(\d+)\.(w[123])\.weight\.(\w+)$")
@@ -172,13 +274,13 @@ def stack_checkpoint(src: Path, out: Path) -> None:
     with warnings.catch_warnings():  # one process, no process group: intended
         warnings.simplefilter("ignore")
         state: dict[str, Any] = _load_state_dict_from_keys(storage_reader=dcp.FileSystemReader(src))
-    state["model"] = stack_experts(state["model"])
+    state["model"] = _stack_per_expert(state["model"])
     state["optimizer"] = _stack_optimizer(state["optimizer"])
     out.mkdir(parents=True, exist_ok=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.save(state, storage_writer=dcp.FileSystemWriter(out), no_dist=True)
-    shapes = stack_experts({k: torch.empty(v, device="meta") for k, v in params.items()})  # names, shapes
+    shapes = _stack_per_expert({k: torch.empty(v, device="meta") for k, v in params.items()})  # names, shapes
     fingerprint = meta["fingerprint"] | {"params": {k: list(v.shape) for k, v in shapes.items()}}
     write_meta(out, meta["step"], meta["world_size"], fingerprint)
     print(f"wrote {out}: step {meta['step']}, {len(state['model'])} model tensors (experts stacked)")
@@ -190,16 +292,22 @@ def main(argv: list[str] | None = None) -> int:
     a = sub.add_parser("to-dcp", help="HF folder -> DCP folder")
     a.add_argument("src", type=Path)
     a.add_argument("out", type=Path)
-    a.add_argument("--flavor", default=None, help="fail unless config.json matches this dsv4 flavor")
+    a.add_argument("--flavor", default=None, help="fail unless config.json matches this flavor")
     b = sub.add_parser("to-hf", help="trainer checkpoint or DCP folder -> HF folder")
     b.add_argument(
         "src", type=Path, help="RUN/checkpoint/step-N, a run folder (its newest step) or a DCP folder"
     )
     b.add_argument("out", type=Path)
     b.add_argument("--config", default=None, help="the run's TOML (a path or a name in train_configs/)")
-    b.add_argument("--flavor", default=None, help="without --config: the dsv4 flavor of a DCP folder")
-    b.add_argument("--hf-config", type=Path, default=None, help="without --config: an HF config.json (dsv4)")
+    b.add_argument("--flavor", default=None, help="without --config: the flavor of a DCP folder")
+    b.add_argument("--hf-config", type=Path, default=None, help="without --config: an HF config.json")
     b.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
+    b.add_argument(
+        "--max-shard-size",
+        type=parse_size,
+        default=DEFAULT_MAX_SHARD_SIZE,
+        help="largest safetensors file (bytes, or 5GB / 500MB / 2GiB; default 5GB as transformers)",
+    )
     c = sub.add_parser("stack-experts", help="trainer checkpoint, per-expert layout -> stacked experts")
     c.add_argument("src", type=Path)
     c.add_argument("out", type=Path)
@@ -216,9 +324,9 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError(
                     "to-hf --config reads the model from the run's config: drop --flavor / --hf-config"
                 )
-            run_to_hf(opts.src, opts.out, opts.config, overrides, opts.dtype)
+            run_to_hf(opts.src, opts.out, opts.config, overrides, opts.dtype, opts.max_shard_size)
         else:
-            to_hf(opts.src, opts.out, opts.flavor, opts.hf_config, opts.dtype)
+            to_hf(opts.src, opts.out, opts.flavor, opts.hf_config, opts.dtype, opts.max_shard_size)
     except ModuleNotFoundError as e:
         if (e.name or "").split(".")[0] not in ("safetensors", "transformers"):
             raise

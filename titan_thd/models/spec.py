@@ -99,6 +99,12 @@ class ModelSpec:
     hf_args: Callable[[str], Any] | None = None
     """model.hf_path -> the args its config.json describes (ValueError if it cannot be read or is not
     supported): the architecture when `model.flavor` is empty; None = that model needs a flavor."""
+    export_hf: Callable[..., Any] | None = None
+    """(source, args, out_dir, dtype=None, *, tokenizer, tokenizer_source, context, max_shard_size) ->
+    out_dir: write a Hugging Face folder (config.json, safetensors files of at most max_shard_size
+    bytes + model.safetensors.index.json) streaming `source`, a models/hf_write.py `ModelSource` or
+    `DcpSource` (our names -> tensors, loaded a group at a time); scripts/convert_hf.py to-hf. None =
+    that model cannot be exported."""
     padded_forward: Callable[[nn.Module, torch.Tensor, list[int]], torch.Tensor] | None = None
     """(model, tokens_BS, lengths_B) -> logits_BSV of a padded batch: row b holds one document in its
     first lengths_B[b] columns, the rest is padding (its logits are ignored). A code path of its own,

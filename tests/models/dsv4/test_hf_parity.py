@@ -127,7 +127,9 @@ def test_packed_batch_matches_each_document_alone(hf_dir, ours):
 
 def test_export_loads_in_transformers_and_back(hf_dir, ours, tmp_path):
     model, args = ours
-    out = export_hf(model, args, tmp_path / "export")
+    out = export_hf(model, args, tmp_path / "export", max_shard_size=300_000)  # several files + index
+    assert len(list(out.glob("model-*-of-*.safetensors"))) > 3
+    assert (out / "model.safetensors.index.json").is_file() and not (out / "model.safetensors").exists()
     hf2 = transformers.DeepseekV4ForCausalLM.from_pretrained(out).eval()
     tokens, batch = packed([150], args.vocab_size, seed=3)
     assert (our_logits(model, tokens, batch) - hf_logits(hf2, tokens)).abs().max().item() <= TOL
@@ -205,10 +207,18 @@ def test_convert_hf_dcp_round_trip(hf_dir, ours, tmp_path):
                 str(tmp_path / "hf"),
                 "--hf-config",
                 str(tmp_path / "dcp" / "config.json"),
+                "--max-shard-size",
+                "200KB",
             ]
         )
         == 0
     )
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())["weight_map"]
+    sizes = [f.stat().st_size for f in (tmp_path / "hf").glob("model-*.safetensors")]
+    assert len(set(index.values())) == len(sizes) > 3
+    # bounded: a file holds at most 200 kB of tensors unless one tensor alone is larger
+    largest = max(v.numel() * 4 for v in model.state_dict().values())
+    assert max(sizes) <= max(200_000, largest) + 20_000, sizes
     back, _ = load_hf(tmp_path / "hf")
     for (k, a), (k2, b) in zip(model.state_dict().items(), back.state_dict().items()):
         if not k.startswith("mtp."):  # the source has no MTP weights: those are freshly initialised

@@ -15,7 +15,14 @@ from torch import nn
 from titan_thd.models.dsv4.args import CP_MODE, DSv4Args, flavors
 from titan_thd.models.dsv4.decode import DSv4Decoder
 from titan_thd.models.dsv4.flops import flops_per_step
-from titan_thd.models.dsv4.hf_interop import check_hf, export_hf, hf_args, load_hf, load_hf_into
+from titan_thd.models.dsv4.hf_interop import (
+    check_hf,
+    export_hf,
+    export_hf_from,
+    hf_args,
+    load_hf,
+    load_hf_into,
+)
 from titan_thd.models.dsv4.model import DSv4Model, build_dsv4, per_document_logits
 from titan_thd.models.dsv4.parallelize import (
     AC_REGIONS,
@@ -93,6 +100,7 @@ spec = ModelSpec(
     matrix_params=matrix_params,
     expert_params=routed_expert_params,
     init_from_hf=load_hf_into,
+    export_hf=export_hf_from,
     check_hf=check_hf,
     hf_args=hf_args,
     padded_forward=per_document_logits,

@@ -4,6 +4,7 @@ import dataclasses
 
 from titan_thd.models.llama.args import LlamaArgs, flavors, flops_per_step
 from titan_thd.models.llama.decode import LlamaDecoder
+from titan_thd.models.llama.hf_interop import export_hf_from
 from titan_thd.models.llama.model import Llama, build_llama, padded_logits
 from titan_thd.models.llama.parallelize import AC_REGIONS, apply_compile, parallelize_llama, tp_divides
 from titan_thd.models.spec import ModelSpec, PipelineSpec
@@ -37,6 +38,7 @@ spec = ModelSpec(
     ),
     padded_forward=padded_logits,
     decoder=LlamaDecoder,
+    export_hf=export_hf_from,
     tp_divides=tp_divides,
     narrow=narrow,
     compile=apply_compile,

@@ -1,6 +1,6 @@
 """titan_thd llama <-> Hugging Face `LlamaForCausalLM` checkpoints (the only place that knows the names).
 
-    export_hf(model, out_dir, tokenizer=tok)    # config.json + model.safetensors (+ tokenizer files)
+    export_hf(model, out_dir, tokenizer=tok)    # config.json + safetensors files (+ tokenizer files)
     model = load_hf(out_dir)                    # back into our model (args from config.json)
 
 The architectures are the same computation: pre-norm RMSNorm blocks, grouped-query attention with
@@ -27,7 +27,9 @@ import torch
 
 from titan_thd.data.tokenizer import Tokenizer
 from titan_thd.jsonfile import read_json_object
+from titan_thd.models.hf_io import LoadStats, Plain, SafetensorsFolder, check_fits, load_sources
 from titan_thd.models.hf_tokenizer import special_token_ids, write_tokenizer
+from titan_thd.models.hf_write import DEFAULT_MAX_SHARD_SIZE, DcpSource, ModelSource, write_weights
 from titan_thd.models.llama.args import LlamaArgs
 from titan_thd.models.llama.model import Llama, build_llama
 
@@ -117,33 +119,45 @@ def args_from_hf_config(cfg: dict, where: str = "config.json") -> LlamaArgs:
     return args
 
 
-def export_hf(
-    model: Llama,
+def export_hf(model: Llama, out_dir: str | Path, dtype: torch.dtype | None = None, **options) -> Path:
+    """config.json + safetensors files for `LlamaForCausalLM.from_pretrained` (`export_hf_from` with
+    the model's state dict as the source)."""
+    return export_hf_from(ModelSource(model), model.args, out_dir, dtype, **options)
+
+
+def export_hf_from(
+    source: ModelSource | DcpSource,
+    args: LlamaArgs,
     out_dir: str | Path,
     dtype: torch.dtype | None = None,
     *,
     tokenizer: Tokenizer | None = None,
     tokenizer_source: str | Path | None = None,
     context: int = 0,
+    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
 ) -> Path:
-    """config.json + model.safetensors for `LlamaForCausalLM.from_pretrained`; with `tokenizer`, also
-    its files, generation_config.json and the bos / eos / pad ids (models/hf_tokenizer.py)."""
-    from safetensors.torch import save_file
+    """Stream `source` (models/hf_write.py) into files of at most `max_shard_size` bytes (+ the index
+    when there are several) and config.json; with `tokenizer`, also its files, generation_config.json
+    and the bos / eos / pad ids (models/hf_tokenizer.py). The spec's `export_hf`."""
+    import torch.distributed as dist
 
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    state = {}
-    for k, v in model.state_dict().items():
-        v = v.full_tensor() if hasattr(v, "full_tensor") else v
-        if dtype is not None and v.is_floating_point():
-            v = v.to(dtype)
-        state[_rename(k, _OURS_TO_HF)] = v.detach().cpu().contiguous()
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    write = not dist.is_initialized() or dist.get_rank() == 0
+    if write:
+        out.mkdir(parents=True, exist_ok=True)
+
+    def items(key: str, value: torch.Tensor):
+        cast = dtype if dtype is not None and value.is_floating_point() else value.dtype
+        yield _rename(key, _OURS_TO_HF), value.to(cast).contiguous()
+
+    write_weights(source, out, items, max_shard_size, write)
+    if not write:
+        return out
     token_ids = None
     if tokenizer is not None:
         write_tokenizer(tokenizer, out, tokenizer_source, context)
         token_ids = special_token_ids(tokenizer)
-    config = hf_config(model.args, dtype or next(model.parameters()).dtype, token_ids, context)
+    config = hf_config(args, dtype or next(iter(source.entries().values()))[1], token_ids, context)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out
 
@@ -178,31 +192,21 @@ def check_hf(args: LlamaArgs, path: str | Path, name: str = "the given args") ->
         raise ValueError(f"{Path(path) / 'config.json'} does not match {name}: " + "; ".join(diffs))
 
 
-def load_hf_into(model: Llama, path: str | Path) -> None:
-    """Copy an HF LlamaForCausalLM folder's weights into `model` (ValueError naming what does not fit)."""
-    from safetensors.torch import load_file
-
+def load_hf_into(model: Llama, path: str | Path) -> LoadStats:
+    """Copy an HF LlamaForCausalLM folder's weights into `model` (plain or sharded tensors, or a
+    pipeline stage of it: each rank reads only its slices, models/hf_io.py); ValueError naming what
+    does not fit, before anything is written."""
     check_hf(model.args, path)
-    files = sorted(Path(path).glob("*.safetensors"))
-    if not files:
-        raise ValueError(
-            f"{path}: no *.safetensors files (a Hugging Face folder holds config.json + *.safetensors)"
-        )
-    ours = {}
-    for f in files:
-        ours |= {_rename(k, _HF_TO_OURS): v for k, v in load_file(f).items()}
-    ours.pop("rotary_emb.inv_freq", None)
-    expected = model.state_dict()
-    missing, unexpected = sorted(set(expected) - set(ours)), sorted(set(ours) - set(expected))
-    if missing or unexpected:
-        raise ValueError(
-            f"{path} does not fit the llama model: missing {missing[:10]}, unexpected {unexpected[:10]}"
-        )
-    with torch.no_grad():
-        for k, v in expected.items():
-            if ours[k].shape != v.shape:
-                raise ValueError(f"{path}: {k} has shape {tuple(ours[k].shape)}, the model {tuple(v.shape)}")
-            v.copy_(ours[k].to(v.dtype))
+    folder = SafetensorsFolder(path)
+    sources = {
+        _rename(k, _HF_TO_OURS): Plain(s)
+        for k, s in folder.tensors.items()
+        if not k.endswith("rotary_emb.inv_freq")
+    }
+    with torch.device("meta"):  # the full model's names and shapes, no memory
+        expected = {k: tuple(v.shape) for k, v in build_llama(model.args).state_dict().items()}
+    check_fits(sources, expected, str(path), "llama")
+    return load_sources(model, sources, folder)
 
 
 def load_hf(path: str | Path) -> Llama:
