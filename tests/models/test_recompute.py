@@ -204,7 +204,7 @@ def test_saved_bytes_drop_to_the_block_input_under_full_and_by_each_region(name)
         assert sum(drop.values()) > 0, region
         # The embedding keeps its bytes; after the layers dsv4's MTP block recomputes the region too.
         assert kept.before == none.before and kept.after <= none.after, region
-    # Per token and layer, tokens double -> bytes double (what the README's table reports per token).
+    # Per token and layer, tokens double -> bytes double (what docs/results.md §7's table reports per token).
     assert _saved(name, ActivationCheckpoint(mode="full"), 2 * T_SAVED).layers["0"] == 2 * full.layers["0"]
 
 

@@ -43,7 +43,7 @@ spec = ModelSpec(
     narrow=narrow,
     compile=apply_compile,
     # Its one region (the SwiGLU) measured 1.01x per step (benchmarks/bench_llama_vs_torchtitan.py
-    # --compile, README "Performance"): `auto` never compiles it.
+    # --compile, docs/results.md §5): `auto` never compiles it.
     compile_payback_steps=0,
 )
 
