@@ -4,7 +4,7 @@ For every mode (none, full, each selective region alone, all regions together) o
 process, eager, float32 by default:
 
   saved/tok/layer  bytes autograd keeps per token and layer from the forward to the backward (the
-                   saved-tensor count of pipeline/activations.py on one document of T tokens,
+                   saved-tensor count of memory/activations.py on one document of T tokens,
                    averaged over the layers), and as a fraction of `none`
   step             forward + backward + AdamW step on a packed microbatch of T tokens (lognormal
                    documents), median of --reps, relative to `none`: the recompute overhead; the

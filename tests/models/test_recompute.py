@@ -6,7 +6,7 @@ the same model without recomputation bitwise (the recomputation runs the same op
 inputs), the router loads after the backward and the biases after their update are identical, and a
 router that breaks a forced tie differently on every call still dispatches in the recomputation as
 the forward did (the decision is replayed, parallel/recompute.py). The saved-tensor hook of
-pipeline/activations.py shows what each mode keeps (`full`: only the block input and the recorded
+memory/activations.py shows what each mode keeps (`full`: only the block input and the recorded
 decisions), and FlopCounterMode what it recomputes (`full`: one more forward of every block; a
 module region: one more forward of that module). The trainer's layouts: tests/test_train_recompute.py.
 """

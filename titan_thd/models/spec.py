@@ -118,7 +118,7 @@ class ModelSpec:
     narrow: Callable[[Any, int], tuple[Any, list[int]]] | None = None
     """(args, f) -> (args with every width / f and one layer per kind, the narrowed model's layer
     for every layer of args); ValueError when a width does not divide. Lets the activation memory of a
-    model too large to build here be measured (pipeline/activations.py); None = always measured whole."""
+    model too large to build here be measured (memory/activations.py); None = always measured whole."""
     after_optimizer_step: Callable[[nn.Module, ProcessGroup | None], None] | None = None
     """(model, loss_group) -> None after every optimizer step; loss_group is the dp x cp group that
     sums the step's token losses (None on one rank), e.g. dsv4's router-bias update."""

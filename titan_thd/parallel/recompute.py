@@ -112,7 +112,7 @@ _observer: Callable[[Any], None] | None = None
 @contextlib.contextmanager
 def observe_decisions(observe: Callable[[Any], None]) -> Iterator[None]:
     """Call `observe(value)` for every decision recorded meanwhile: what the records keep alive from a
-    region's forward to its backward (the activation measurement counts it, pipeline/activations.py)."""
+    region's forward to its backward (the activation measurement counts it, memory/activations.py)."""
     global _observer
     previous, _observer = _observer, observe
     try:

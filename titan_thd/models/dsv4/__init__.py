@@ -56,7 +56,7 @@ _WIDTHS = ("dim", "head_dim", "rope_dim", "q_lora_rank", "o_lora_rank", "index_h
 
 def narrow(args: DSv4Args, f: int) -> tuple[DSv4Args, list[int]]:
     """A copy with every width / f and one layer per (attention type, routing) kind, for measuring
-    activation memory (pipeline/activations.py), and the copy's layer for every layer of `args`.
+    activation memory (memory/activations.py), and the copy's layer for every layer of `args`.
     Counts stay (heads, windows, top-k, routed experts per token); the expert count drops to 8 at
     most: experts are weights, and only the router's [T, E] scores depend on it."""
     if any(getattr(args, w) % f for w in _WIDTHS) or args.rope_dim // f % 2:
