@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from titan_thd.components.loss import cross_entropy_sum
-from titan_thd.config import ActivationCheckpoint, Parallelism, Training
+from titan_thd.config import ActivationCheckpoint
 from titan_thd.data.batch_meta import BatchMeta
 from titan_thd.data.packer import pack_microbatch
 from titan_thd.memory import activations
@@ -94,7 +94,7 @@ def bench_model(name: str, tokens: int, reps: int, dtype: torch.dtype) -> list[d
     batch, meta = microbatch(args.vocab_size, tokens)
     rows = []
     for mode, ac in modes(name).items():
-        prepare = activations.recomputation(spec, Parallelism(), Training(), ac)
+        prepare = activations.recomputation(spec, ac)
         saved = activations.measure(spec, args, tokens, dtype, prepare)
         per_layer = sum(saved.layers.values()) / len(saved.layers) / tokens
         rows.append({"model": name, "flavor": FLAVORS[name], "mode": mode, "tokens": tokens,

@@ -24,6 +24,7 @@ and reads what the ranks would read before their first step.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -36,12 +37,14 @@ import torch
 
 from titan_thd.components import hardware, run_settings
 from titan_thd.components.checkpoint import CheckpointManager, checkpoint_steps, model_fingerprint
+from titan_thd.components.optimizer import default_matrix_params
 from titan_thd.components.precision import Precision, resolve_precision
 from titan_thd.config import Config, coerce, validate
 from titan_thd.data.dataloader import DataLayout, OrderedSteps, build_dataloader
 from titan_thd.data.rows import RowRule, row_rule
 from titan_thd.data.stores import build_stores, check_validation_path
 from titan_thd.data.tokenizer import Tokenizer, build_tokenizer
+from titan_thd.memory.plan import MemoryPlan, plan_memory
 from titan_thd.models import get_model_args, get_model_spec
 from titan_thd.models.compile import CompileDecision, has_cpp_compiler, resolve_compile
 from titan_thd.models.spec import ModelSpec
@@ -140,6 +143,26 @@ class Run:
     """Master, compute and reduction dtypes on this machine (training.mixed_precision_param = auto resolved)."""
     compile: CompileDecision
     """training.compile on this machine for this run (`auto` resolved)."""
+
+    @functools.cached_property
+    def memory(self) -> MemoryPlan:
+        """Every pipeline rank's memory (memory/plan.py): computed on first use, once (it measures the
+        activations of one microbatch: the ranks that print or check it read it)."""
+        c = self.cfg
+        return plan_memory(
+            self.spec,
+            self.model_args,
+            self.dims,
+            self.stages,
+            c.parallelism.pipeline_parallel_schedule,
+            self.precision,
+            c.optimizer.name,
+            self.spec.matrix_params or default_matrix_params,
+            ac=c.activation_checkpoint,
+            tokens=self.tokens_per_rank,
+            narrow_ok=self.fake,  # minutes of CPU for a Flash-sized model
+            loads_checkpoint=bool(c.model.hf_path) and not self.fake,
+        )
 
     @property
     def fake(self) -> bool:

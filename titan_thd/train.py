@@ -41,7 +41,6 @@ from titan_thd.components.optimizer import (
     OptimizersContainer,
     build_optimizers,
     clip_grad_norm_,
-    default_matrix_params,
 )
 from titan_thd.components.precision import Precision
 from titan_thd.components.run_header import header_lines
@@ -58,7 +57,7 @@ from titan_thd.data.tokenizer import Tokenizer
 from titan_thd.inference.evaluation import TrainingEvaluator
 from titan_thd.memory.dry_run import fake_step_fits
 from titan_thd.memory.live import available_host_bytes, max_rss_bytes
-from titan_thd.memory.plan import MemoryPlan, host_refusal, plan_memory
+from titan_thd.memory.plan import MemoryPlan, host_refusal
 from titan_thd.models.compile import CompileClock
 from titan_thd.models.hf_tokenizer import write_tokenizer
 from titan_thd.models.spec import ModelSpec
@@ -211,23 +210,8 @@ class Trainer:
         self.timer = StepTimer(self.dist.device)
         # Every rank's memory, planned once (memory/plan.py) by rank 0, which logs it and decides the
         # host refusal for all; in a dry run every rank reads its own figures to size its step.
-        self.memory: MemoryPlan | None = None
-        if self.dist.is_main or fake:
-            self.memory = plan_memory(
-                self.spec,
-                self.model_args,
-                dims,
-                run.stages,
-                cfg.parallelism.pipeline_parallel_schedule,
-                self.precision,
-                cfg.optimizer.name,
-                self.spec.matrix_params or default_matrix_params,
-                parallelism=cfg.parallelism,
-                training=cfg.training,
-                ac=cfg.activation_checkpoint,
-                tokens=cfg.training.tokens_per_microbatch // dims.cp,
-                narrow_ok=fake,  # minutes of CPU for a Flash-sized model
-            )
+        # Every pipeline rank's memory, decided once (the refusal, the dry run and the header read it).
+        self.memory: MemoryPlan | None = run.memory if self.dist.is_main or fake else None
         if self.dist.is_main:
             self._log_header()
             if not self.dist.fake:  # the run folder holds the tokenizer it was trained with

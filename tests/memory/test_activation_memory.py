@@ -63,8 +63,6 @@ def _estimate_and_peak(model: str, extra: list[str], tmp_path) -> tuple[float, i
         trainer.model_args,
         T,
         torch.float64,
-        cfg.parallelism,
-        cfg.training,
         cfg.activation_checkpoint,
     )
     assert acts is not None

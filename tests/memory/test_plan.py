@@ -9,11 +9,12 @@ import torch
 from torch import nn
 
 from titan_thd.components.precision import Precision
-from titan_thd.config import ActivationCheckpoint, Parallelism, Training
+from titan_thd.config import ActivationCheckpoint
 from titan_thd.memory import activations
 from titan_thd.memory.plan import host_refusal, plan_memory
 from titan_thd.memory.state import size
 from titan_thd.models.spec import ModelOutput, ModelSpec, PipelineSpec
+from titan_thd.parallel import seeded_init
 from titan_thd.parallel.parallel_dims import ParallelDims
 from titan_thd.pipeline.split import stage_layers
 
@@ -53,7 +54,7 @@ SPEC = ModelSpec(
 )
 
 
-def _plan(dims, stages, optimizer="adamw", matrix=lambda m: [], schedule="1F1B", precision=None):
+def _plan(dims, stages, optimizer="adamw", matrix=lambda m: [], schedule="1F1B", precision=None, hf=False):
     return plan_memory(
         SPEC,
         _ToyArgs(),
@@ -63,15 +64,24 @@ def _plan(dims, stages, optimizer="adamw", matrix=lambda m: [], schedule="1F1B",
         precision or Precision(F32, F32, F32),
         optimizer,
         matrix,
-        parallelism=Parallelism(),
-        training=Training(),
         ac=ActivationCheckpoint(),
         tokens=T,
         narrow_ok=False,
+        loads_checkpoint=hf,
     )
 
 
 PP2_DP2 = ParallelDims(pp=2, dp_shard=2, cp=1, tp=1, world_size=4)
+
+
+def test_a_checkpoint_load_adds_one_tensor_slice_read_and_dequantised():
+    """model.hf_path: each rank reads one tensor's slice at a time (its raw bytes, at most float32, and
+    the float32 copy): the largest FSDP shard of one tensor, twice, in float32."""
+    plain, loads = _plan(PP2_DP2, stage_layers(N, 2)), _plan(PP2_DP2, stage_layers(N, 2), hf=True)
+    for r, without, largest in zip(
+        loads.ranks, plain.ranks, (V * D, D * V), strict=True
+    ):  # embedding, head weight
+        assert r.startup_bytes - without.startup_bytes == 2 * 4 * (largest // 2)
 
 
 def test_every_pipeline_rank_counted_by_hand():
@@ -85,8 +95,8 @@ def test_every_pipeline_rank_counted_by_hand():
         assert r.state.params == n // 2
         assert r.state_bytes == n // 2 * 4 * (1 + 1 + 2)
         assert r.stage_copy_bytes == n * (4 + 4)  # gathered copy (compute) + unsharded grads (reduce)
-        # Every rank builds the whole model in float32 and copies its shard out before it frees it.
-        assert r.startup_bytes == (EMBED + N * LAYER + HEAD) * 4 + n // 2 * 4
+        # Its own shards, built on the meta device, then filled one init block at a time (no full copy).
+        assert r.startup_bytes == n // 2 * 4 + seeded_init.BLOCK_BYTES
     # Largest all-gather: the root's embedding on stage 0 (larger than a block), the head on stage 1.
     assert (r0.largest_unit_bytes, r1.largest_unit_bytes) == (EMBED * 4, HEAD * 4)
 
@@ -113,7 +123,7 @@ def test_one_stage_without_fsdp_and_muon():
     assert (r.layers, r.params, r.in_flight, r.stage_copy_bytes) == (f"0-{N - 1}", total, 1, 0)
     assert r.state.optimizer_bytes == ((total - N * D * D) * 2 + N * D * D) * 4
     assert r.largest_unit_bytes == total * 4
-    assert r.startup_bytes == total * 4 + total * 4
+    assert r.startup_bytes == total * 4 + seeded_init.BLOCK_BYTES
 
 
 def test_mixed_precision_gathers_units_in_the_compute_dtype():

@@ -24,7 +24,7 @@ from tests import _tiny_llama
 from tests.models.dsv4._util import build as build_dsv4_random
 from tests.models.dsv4._util import meta, micro, packed
 from titan_thd.components.loss import cross_entropy_sum
-from titan_thd.config import ActivationCheckpoint, Parallelism, Training
+from titan_thd.config import ActivationCheckpoint
 from titan_thd.memory import activations
 from titan_thd.models import get_model_spec
 from titan_thd.models.dsv4.indexer import Indexer
@@ -175,7 +175,7 @@ T_SAVED = 128
 
 def _saved(name: str, ac: ActivationCheckpoint | None, tokens: int = T_SAVED) -> activations.SavedBytes:
     spec, args = get_model_spec(name), _args(name)
-    prepare = None if ac is None else activations.recomputation(spec, Parallelism(), Training(), ac)
+    prepare = None if ac is None else activations.recomputation(spec, ac)
     return activations.measure(spec, args, tokens, torch.float64, prepare)
 
 

@@ -10,7 +10,7 @@ run's memory plan's `state_line` and `stage_lines` (memory/plan.py), come in as 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -18,19 +18,18 @@ from titan_thd.components import hardware
 from titan_thd.components.muon import Muon
 from titan_thd.components.precision import Precision, precision_warnings
 from titan_thd.components.run_settings import data_description
+from titan_thd.components.validation import Validator
+from titan_thd.config import Config
+from titan_thd.data.dataloader import THDDataLoader
+from titan_thd.data.tokenizer import Tokenizer
 from titan_thd.parallel.activation_checkpoint import describe
 from titan_thd.parallel.parallel_dims import ParallelDims
-
-if TYPE_CHECKING:
-    from titan_thd.components.validation import Validator
-    from titan_thd.config import Config
-    from titan_thd.data.dataloader import THDDataLoader
-    from titan_thd.data.tokenizer import Tokenizer
 
 
 def header_lines(
     cfg: Config,
     *,
+    flavor: str,
     dims: ParallelDims,
     cp_mode: str,
     device: torch.device,
@@ -52,7 +51,7 @@ def header_lines(
     c, d, ac = cfg, dims, cfg.activation_checkpoint
     lines = [
         c.job.description or "titan_thd",
-        f"model {c.model.name}/{c.model.flavor}: {num_params:,} parameters, vocab {model_args.vocab_size} "
+        f"model {c.model.name}/{flavor}: {num_params:,} parameters, vocab {model_args.vocab_size} "
         f"(tokenizer {tokenizer.vocab_size}), dtype {c.training.dtype}",
         *([note] if (note := getattr(tokenizer, "added_tokens_note", str)()) else []),
         precision.describe(c.training.mixed_precision_param),

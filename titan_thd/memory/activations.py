@@ -26,21 +26,19 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
 from titan_thd.components.loss import cross_entropy_sum
+from titan_thd.config import ActivationCheckpoint
 from titan_thd.data.batch_meta import BatchMeta
 from titan_thd.data.packer import pack_microbatch
 from titan_thd.memory.state import size
 from titan_thd.models.spec import ModelSpec, count_params
 from titan_thd.parallel.recompute import observe_decisions
-
-if TYPE_CHECKING:
-    from titan_thd.config import ActivationCheckpoint, Parallelism, Training
 
 logger = logging.getLogger("titan_thd")
 
@@ -74,9 +72,7 @@ Prepare = Callable[[nn.Module], nn.Module]
 """A built model -> the model as the run computes it (its activation recomputation applied)."""
 
 
-def recomputation(
-    spec: ModelSpec, parallelism: Parallelism, training: Training, ac: ActivationCheckpoint
-) -> Prepare | None:
+def recomputation(spec: ModelSpec, ac: ActivationCheckpoint) -> Prepare | None:
     """The run's activation recomputation on every block of a model built in this process (the model's
     `parallelize` on one process: no TP, EP or FSDP, eager), for `measure`; None for mode none."""
     if ac.mode == "none":
@@ -247,8 +243,6 @@ def activation_memory(
     args: Any,
     tokens: int,
     dtype: torch.dtype,
-    parallelism: Parallelism,
-    training: Training,
     ac: ActivationCheckpoint,
     narrow_ok: bool = True,
 ) -> ActivationMemory | None:
@@ -262,12 +256,12 @@ def activation_memory(
     backward), so the largest region's own bytes, each region measured alone."""
     key = repr((spec.name, args, tokens, dtype, ac, narrow_ok))
     if key not in _MEASURED:
-        _MEASURED[key] = _activation_memory(spec, args, tokens, dtype, parallelism, training, ac, narrow_ok)
+        _MEASURED[key] = _activation_memory(spec, args, tokens, dtype, ac, narrow_ok)
     return _MEASURED[key]
 
 
-def _activation_memory(spec, args, tokens, dtype, parallelism, training, ac, narrow_ok):
-    recompute = recomputation(spec, parallelism, training, ac)
+def _activation_memory(spec, args, tokens, dtype, ac, narrow_ok):
+    recompute = recomputation(spec, ac)
     kept = estimate(spec, args, tokens, dtype, narrow_ok, prepare=recompute)
     if kept is None:
         return None
@@ -281,10 +275,7 @@ def _activation_memory(spec, args, tokens, dtype, parallelism, training, ac, nar
     alone = [kept_short]
     if ac.mode == "selective" and len(ac.regions) > 1:
         one_region = [dataclasses.replace(ac, regions=(r,)) for r in ac.regions]
-        alone = [
-            estimate(spec, args, short, dtype, narrow_ok, recomputation(spec, parallelism, training, a))
-            for a in one_region
-        ]
+        alone = [estimate(spec, args, short, dtype, narrow_ok, recomputation(spec, a)) for a in one_region]
     scale = tokens / short
 
     def held(plain: float, kept_alone: list[float]) -> float:

@@ -21,33 +21,29 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Collection
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
+from titan_thd.components.precision import Precision
+from titan_thd.config import ActivationCheckpoint
 from titan_thd.memory import activations
-from titan_thd.memory.state import MemoryEstimate, estimate_memory_per_rank, size
+from titan_thd.memory.state import MemoryEstimate, estimate_memory_per_rank, local_numel, size
+from titan_thd.models.spec import ModelSpec
+from titan_thd.parallel.parallel_dims import ParallelDims
+from titan_thd.parallel.seeded_init import BLOCK_BYTES
 from titan_thd.pipeline.schedule import max_in_flight
 from titan_thd.pipeline.split import rank_part
 
-if TYPE_CHECKING:
-    from titan_thd.components.precision import Precision
-    from titan_thd.config import ActivationCheckpoint, Parallelism, Training
-    from titan_thd.models.spec import ModelSpec
-    from titan_thd.parallel.parallel_dims import ParallelDims
 
-BUILD_DTYPE = torch.float32
-"""What `spec.build` makes the full model in (torch's default dtype) before the cast to the master."""
-
-
-def startup_peak_bytes(full_params: int, shard_params: int, master: torch.dtype) -> int:
-    """The most one rank holds while the model is built, today: every rank builds the WHOLE model on
-    the CPU (in BUILD_DTYPE, then cast to the master dtype one parameter at a time) before it keeps
-    its pipeline stage and FSDP shard, and its shard is copied out while the full weights are still
-    alive. Parameters only (buffers are small); the optimizer state comes at the first step, when the
-    full weights are gone. Change this when the model is built as shards."""
-    return full_params * max(BUILD_DTYPE.itemsize, master.itemsize) + shard_params * master.itemsize
+def startup_peak_bytes(shard_params: int, master: torch.dtype, largest_tensor_bytes: int) -> int:
+    """The most one rank holds while the model is built: the model is built on the meta device, and
+    each rank allocates only its own shards (master dtype) and fills them one block of rows at a time
+    (parallel/seeded_init.py, `BLOCK_BYTES`); reading model.hf_path adds one tensor's slice in flight
+    (`largest_tensor_bytes`: its read bytes and its float32 dequantised copy, 0 without a checkpoint).
+    Parameters only (buffers are small); the optimizer state comes at the first step."""
+    return shard_params * master.itemsize + BLOCK_BYTES + largest_tensor_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,9 +170,8 @@ class MemoryPlan:
     def startup_line(self) -> str:
         r = max(self.ranks, key=lambda r: r.startup_bytes)
         return (
-            f"start-up peak per rank {size(r.startup_bytes)} (every rank builds the whole model in "
-            f"{str(BUILD_DTYPE).removeprefix('torch.')} before keeping its share); peak per rank "
-            f"max(start-up, training) {size(self.per_rank_total)}"
+            f"start-up peak per rank {size(r.startup_bytes)} (its shards, built on the meta device and "
+            f"filled block by block); peak per rank max(start-up, training) {size(self.per_rank_total)}"
         )
 
     def _tp_note(self) -> str:
@@ -193,23 +188,20 @@ def plan_memory(
     optimizer: str,
     matrix_params: Callable[[nn.Module], list[str]],
     *,
-    parallelism: Parallelism,
-    training: Training,
     ac: ActivationCheckpoint,
     tokens: int,
     narrow_ok: bool,
+    loads_checkpoint: bool = False,
 ) -> MemoryPlan:
     """Every pipeline rank's `RankMemory` (one without pipeline parallelism). `stages`: each stage's
     layer ids (None at pp 1); `matrix_params`: the parameters Muon updates (read for optimizer muon);
-    `parallelism`, `training`, `ac`: what the activation measurement applies (its recomputation);
+    `ac`: the recomputation the activation measurement applies; `loads_checkpoint`: model.hf_path is
+    read at start-up (one tensor's slice in flight, `startup_peak_bytes`);
     `tokens`: one microbatch's tokens per context-parallel rank; `narrow_ok`: whether a model too
     large to measure whole may be measured on narrowed copies (minutes of CPU)."""
-    acts = activations.activation_memory(
-        spec, model_args, tokens, precision.compute, parallelism, training, ac, narrow_ok=narrow_ok
-    )
+    acts = activations.activation_memory(spec, model_args, tokens, precision.compute, ac, narrow_ok=narrow_ok)
     with torch.device("meta"):
         full = spec.build(model_args)
-    full_params = sum(p.numel() for p in full.parameters())
     layers = stages if stages is not None else [[int(k) for k in full.layers]]
     pp = len(layers) if stages is None else dims.pp
     boundary = None
@@ -218,6 +210,7 @@ def plan_memory(
         # Under tensor parallelism the boundary carries this tp rank's sequence-parallel rows.
         boundary = tuple(spec.pipeline.boundary_shape(model_args, tokens // dims.tp))
     tied = spec.pipeline.tied(full) if stages is not None and spec.pipeline is not None else ()
+    shards = dims.fsdp_degree if dims.fsdp_enabled else 1
     ranks = []
     for rank in range(pp):
         part = full if stages is None else rank_part(spec.pipeline, full, layers, rank, pp, tied)
@@ -246,7 +239,14 @@ def plan_memory(
                 saved_bytes=saved,
                 backward_bytes=back,
                 largest_unit_bytes=largest_unit_bytes(part, dims, precision, experts),
-                startup_bytes=startup_peak_bytes(full_params, state.params, precision.master),
+                startup_bytes=startup_peak_bytes(
+                    state.params,
+                    precision.master,
+                    # the largest FSDP shard of one tensor, read and dequantised to float32
+                    2 * 4 * max(local_numel(p.shape, shards) for p in part.parameters())
+                    if loads_checkpoint
+                    else 0,
+                ),
             )
         )
     return MemoryPlan(

@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 from collections.abc import Collection
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -20,10 +19,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from titan_thd.components.precision import Precision
 from titan_thd.parallel.parallel_dims import EP_TP_DIMS, ParallelDims
-
-if TYPE_CHECKING:
-    from titan_thd.components.precision import Precision
 
 
 def size(n_bytes: float) -> str:

@@ -16,7 +16,7 @@ takes: memory/state.py).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -26,8 +26,16 @@ from torch.distributed.tensor import DTensor, Shard
 
 from titan_thd.parallel.parallel_dims import ParallelDims
 
-if TYPE_CHECKING:
-    from titan_thd.components.precision import Precision
+
+class Precision(Protocol):
+    """What FSDP reads of the run's dtypes (components/precision.py `Precision`, which sits above
+    this package: components import parallel)."""
+
+    compute: torch.dtype
+    reduce: torch.dtype
+
+    @property
+    def mixed(self) -> bool: ...
 
 
 def fsdp_mesh(parallel_dims: ParallelDims, precision: Precision | None) -> DeviceMesh | None:

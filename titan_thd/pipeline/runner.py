@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -27,15 +26,13 @@ from titan_thd.components.loss import cross_entropy_sum, loss_context
 from titan_thd.components.precision import Precision
 from titan_thd.config import ActivationCheckpoint
 from titan_thd.config.choices import Schedule
+from titan_thd.data.packed_batch import PackedBatch
 from titan_thd.models.spec import ModelSpec, count_params
 from titan_thd.parallel.fsdp import materialize_sharded
 from titan_thd.parallel.parallel_dims import ParallelDims
 from titan_thd.parallel.tensor_parallel import reduce_replicated_grads
 from titan_thd.pipeline.schedule import PipelineSchedule, StageInput, tied_groups
 from titan_thd.pipeline.split import chunk_views, split_model
-
-if TYPE_CHECKING:
-    from titan_thd.data.packed_batch import PackedBatch
 
 
 class LocalRunner:

@@ -20,13 +20,11 @@ from __future__ import annotations
 
 import collections
 import copy
-from typing import TYPE_CHECKING
 
 from torch import nn
 
-if TYPE_CHECKING:
-    from titan_thd.config import Parallelism
-    from titan_thd.models.spec import PipelineSpec
+from titan_thd.config import Parallelism
+from titan_thd.models.spec import PipelineSpec
 
 
 # ============================================================================ start-up rules

@@ -16,16 +16,21 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from titan_thd.data.tokenizer import Tokenizer
-from titan_thd.jsonfile import read_json_object
-from titan_thd.models.dsv4.args import DSv4Args, flavors
-from titan_thd.models.dsv4.hf_config import args_from_hf_config, hf_config_from_args
-from titan_thd.models.dsv4.hf_dequant import check_quantization_config
+from titan_thd.models.dsv4.args import DSv4Args
+from titan_thd.models.dsv4.hf_config import (
+    _ckpt_args,
+    _resolve_args,
+    args_from_hf_config,
+    check_hf,
+    hf_args,
+    hf_config_from_args,
+    read_hf_config,
+)
 from titan_thd.models.dsv4.hf_load import load_hf_into
 from titan_thd.models.dsv4.hf_names import (
     reference_items,
@@ -35,7 +40,6 @@ from titan_thd.models.dsv4.hf_names import (
     to_reference,
 )
 from titan_thd.models.dsv4.model import DSv4Model, build_dsv4
-from titan_thd.models.hf_io import SafetensorsFolder
 from titan_thd.models.hf_tokenizer import special_token_ids, write_tokenizer
 from titan_thd.models.hf_write import DEFAULT_MAX_SHARD_SIZE, DcpSource, ModelSource, write_weights
 
@@ -57,24 +61,6 @@ __all__ = [
     "to_ours",
     "to_reference",
 ]
-
-
-def _resolve_args(
-    ckpt: DSv4Args, flavor_or_args: str | DSv4Args | None, where: str, name: str = "the given args"
-) -> DSv4Args:
-    if flavor_or_args is None:
-        return ckpt
-    if isinstance(flavor_or_args, str):
-        if flavor_or_args not in flavors:
-            raise ValueError(f"dsv4 flavor {flavor_or_args!r} is unknown; expected one of {list(flavors)}")
-        wanted, name = flavors[flavor_or_args], f"flavor {flavor_or_args!r}"
-    else:
-        wanted = flavor_or_args
-    have, want = ckpt.architecture(), wanted.architecture()
-    diffs = [f"{k}: checkpoint {have[k]!r} vs {want[k]!r}" for k in want if have[k] != want[k]]
-    if diffs:
-        raise ValueError(f"{where} does not match {name}: " + "; ".join(diffs))
-    return replace(wanted)
 
 
 def load_state_dict_hf(
@@ -121,41 +107,6 @@ def load_hf(path: str | Path, flavor_or_args: str | DSv4Args | None = None) -> t
     model = build_dsv4(_resolve_args(_ckpt_args(path), flavor_or_args, str(path / "config.json")))
     load_hf_into(model, path)
     return model, model.args
-
-
-def read_hf_config(path: str | Path) -> dict:
-    """config.json of an HF folder; ValueError naming the file (and line) when it is missing or not JSON."""
-    path = Path(path)
-    cfg_file = path / "config.json"
-    if not path.is_dir():
-        raise ValueError(
-            f"{path}: not a folder (expected a Hugging Face folder with config.json + *.safetensors)"
-        )
-    return read_json_object(cfg_file, missing=" (a Hugging Face folder holds config.json)")
-
-
-def hf_args(path: str | Path) -> DSv4Args:
-    """The DSv4Args that the folder's config.json describes (training knobs at their defaults)."""
-    return _ckpt_args(Path(path))
-
-
-def _ckpt_args(path: Path) -> DSv4Args:
-    cfg_file = path / "config.json"
-    cfg = read_hf_config(path)
-    check_quantization_config(cfg, str(cfg_file))
-    try:
-        return args_from_hf_config(cfg, str(cfg_file))
-    except (TypeError, AttributeError) as e:  # e.g. a string where a number or a table belongs
-        raise ValueError(f"{cfg_file}: a value of the wrong type ({e})") from None
-
-
-def check_hf(args: DSv4Args, path: str | Path, name: str = "the given args") -> None:
-    """ValueError unless the HF folder describes `args`' architecture (`name` says where they come from)
-    and its safetensors files are complete (index, headers, sizes); cheap (config.json and the
-    headers), so the trainer calls it before building anything."""
-    path = Path(path)
-    _resolve_args(_ckpt_args(path), args, str(path / "config.json"), name)
-    SafetensorsFolder(path)
 
 
 def export_hf(

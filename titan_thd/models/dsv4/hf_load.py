@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from titan_thd.jsonfile import read_json_object
+from titan_thd.models.dsv4.hf_config import check_hf
 from titan_thd.models.dsv4.hf_dequant import check_quantization_config, quantized_sources
 from titan_thd.models.dsv4.hf_names import stored_to_ours
 from titan_thd.models.dsv4.model import DSv4Model, build_dsv4
@@ -95,8 +96,6 @@ def load_hf_into(model: DSv4Model, path: str | Path) -> LoadStats:
     it), each rank reading only its slices; config.json must describe the model's architecture
     (ValueError naming the differing fields, or the file and tensor that do not fit, before anything
     is written). Returns what this rank read (LoadStats)."""
-    from titan_thd.models.dsv4.hf_interop import check_hf
-
     path = Path(path)
     check_hf(model.args, path)
     folder = SafetensorsFolder(path)
