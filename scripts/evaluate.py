@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data", default=str(HELDOUT), help="held-out conversations (messages JSONL, .gz ok)")
     p.add_argument("--max_new_tokens", type=int, default=512, help="cap of a reply's token budget")
     p.add_argument("--batch_size", type=int, default=16, help="problems generated together")
-    p.add_argument("--device", default="auto")
+    p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
     p.add_argument("--decoder", default="auto", choices=DECODERS)
     p.add_argument("--samples", type=int, default=3, help="print this many questions with the model's reply")

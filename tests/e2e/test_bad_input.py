@@ -102,12 +102,12 @@ def test_debug_switch_shows_the_traceback(case_dir, monkeypatch):
 
 def test_a_bug_keeps_its_traceback(case_dir, monkeypatch):
     """Only user errors become one line: anything else (a bug) propagates with its traceback."""
-    from titan_thd import inputs
+    from titan_thd import startup
 
     def broken(*args, **kwargs):
         raise KeyError("a bug")
 
-    monkeypatch.setattr(inputs, "build_tokenizer", broken)
+    monkeypatch.setattr(startup, "build_tokenizer", broken)
     with pytest.raises(KeyError, match="a bug"):
         main([with_tmp(a, case_dir) for a in BASE])
 
@@ -207,3 +207,99 @@ def test_a_rank_that_crashes_mid_run_keeps_its_traceback(case_dir: Path):
     assert "KeyError: 'test fault: KeyError on rank 1 at step 2'" in err
     assert "traceback : rank 1 crashed: KeyError" in err  # rank 0's entry of the report
     assert err.count("Traceback (most recent call last)") == 1, err[-5000:]
+
+
+# ============================================================================ devices (#47)
+def load_script(name: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name.removesuffix(".py"), ROOT / "scripts" / name)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def fake_gpus(monkeypatch, count: int) -> None:
+    """This process sees `count` CUDA devices (nothing calls into CUDA before the check refuses)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU")
+
+
+SCRIPT_ARGS = {
+    "generate.py": ["--config", "debug_dense_thd.toml", "--untrained", "--prompt", "hi"],
+    "evaluate.py": ["--config", "debug_dense_thd.toml", "--untrained", "--limit", "1"],
+}
+DEVICE_CASES = [  # (script, --device, CUDA devices faked (None: this machine as it is), the line's substrings)
+    ("generate.py", "cuda", None, ["--device cuda", "no CUDA", "use --device cpu"]),
+    ("evaluate.py", "cuda", None, ["--device cuda", "no CUDA", "use --device cpu"]),
+    ("generate.py", "cuda:1", None, ["--device cuda:1", "no CUDA", "use --device cpu"]),
+    (
+        "generate.py",
+        "cuda:2",
+        2,
+        ["--device cuda:2", "only 2 CUDA devices (Fake GPU)", "use cuda:0 to cuda:1"],
+    ),
+    (
+        "evaluate.py",
+        "cuda:5",
+        1,
+        ["--device cuda:5", "only 1 CUDA device (Fake GPU)", "use cuda:0 to cuda:0"],
+    ),
+    ("generate.py", "tpu", None, ["--device 'tpu'", "expected auto, cpu, cuda or cuda:N"]),
+    ("evaluate.py", "gpu0", None, ["--device 'gpu0'", "expected auto, cpu, cuda or cuda:N"]),
+]
+
+
+@pytest.mark.parametrize(
+    "script, device, gpus, expect", DEVICE_CASES, ids=[f"{c[0]} {c[1]}" for c in DEVICE_CASES]
+)
+def test_a_device_that_is_not_there_is_one_line(script, device, gpus, expect, capsys, monkeypatch):
+    """--device of the scripts that take one: refused before the model is built, in one line naming the
+    flag, the value, what this machine has and the fix."""
+    import torch
+
+    if gpus is None and device.startswith("cuda") and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    if gpus is not None:
+        fake_gpus(monkeypatch, gpus)
+    code = load_script(script).main([*SCRIPT_ARGS[script], "--device", device])
+    out, err = capsys.readouterr()
+    assert code == 2, (out + err)[-2000:]
+    assert "Traceback" not in out + err
+    line = error_line(err)
+    assert err.strip() == line  # nothing loaded, nothing else said
+    for want in expect:
+        assert want in line, line
+
+
+def test_more_processes_per_node_than_gpus_is_one_line(case_dir, capsys, monkeypatch):
+    """NGPU=4 on a node with 2 GPUs: every rank (torchrun's LOCAL_WORLD_SIZE=4) refuses at start-up, before
+    any process group, naming NGPU, the GPUs and the fix (the launcher shows one rank's line)."""
+    fake_gpus(monkeypatch, 2)
+    monkeypatch.delenv("TITAN_THD_DEBUG", raising=False)
+    for k, v in {"LOCAL_WORLD_SIZE": "4", "LOCAL_RANK": "3", "RANK": "3", "WORLD_SIZE": "4"}.items():
+        monkeypatch.setenv(k, v)
+    code = main([with_tmp(a, case_dir) for a in BASE])
+    out, err = capsys.readouterr()
+    assert code == 2, (out + err)[-2000:]
+    line = error_line(err)
+    for want in ("NGPU=4 processes per node", "only 2 CUDA devices (Fake GPU)", "set NGPU=2 or fewer"):
+        assert want in line, line
+
+
+def test_the_device_line_says_why_cuda_is_missing(monkeypatch):
+    """A CUDA build that sees no device (CUDA_VISIBLE_DEVICES hides them) says so, not 'CPU-only'."""
+    import torch
+
+    from titan_thd.parallel.distributed import parse_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    want = r"^--device cuda: torch .* \(CUDA 13.0\) sees no CUDA device, CUDA_VISIBLE_DEVICES=''; use --device cpu"
+    with pytest.raises(ValueError, match=want):
+        parse_device("cuda")
+    assert parse_device("auto") == torch.device("cpu") and parse_device("cpu") == torch.device("cpu")

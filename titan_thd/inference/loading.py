@@ -36,6 +36,7 @@ from titan_thd.data.chat_template import encode_prompt
 from titan_thd.data.tokenizer import END_OF_TURN, Tokenizer
 from titan_thd.inference.generate import Completion, generate
 from titan_thd.models.spec import ModelSpec, as_dtype
+from titan_thd.parallel.distributed import parse_device
 from titan_thd.parallel.fsdp import build_on_meta
 from titan_thd.startup import resolve_run
 
@@ -139,12 +140,10 @@ def load_model(
     dtype: str = "float32",
 ) -> Loaded:
     """The model, tokenizer and config of a run (see the module docstring); ValueError on bad input."""
+    device = parse_device(device)  # before anything loads: --device cuda on a CPU-only machine is one line
     cfg = inference_config(argv)
     run = resolve_run(cfg, 1)
     spec, tokenizer, model_args = run.spec, run.tokenizer, run.model_args
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(device)
     if checkpoint is None and not cfg.model.hf_path and not untrained:
         raise ValueError(
             "no weights: give --checkpoint (RUN/checkpoint/step-N, or a run folder), --model.hf_path "

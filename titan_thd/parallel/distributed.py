@@ -55,12 +55,51 @@ def _env_int(name: str, default: int) -> int:
         raise ValueError(f"environment variable {name} = {value!r}: expected an integer") from None
 
 
+def cuda_summary() -> str:
+    """What this process can compute on, for an error line: `2 CUDA devices (NVIDIA H100 ...)`, or why none."""
+    if not torch.cuda.is_available():
+        if torch.version.cuda is None:
+            return f"this torch {torch.__version__} is a CPU-only build (no CUDA)"
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        shown = "" if visible is None else f", CUDA_VISIBLE_DEVICES={visible!r}"
+        return f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no CUDA device{shown}"
+    n = torch.cuda.device_count()
+    return f"{n} CUDA device{'s' * (n != 1)} ({torch.cuda.get_device_name(0)})"
+
+
+def parse_device(value: str | torch.device, flag: str = "--device") -> torch.device:
+    """The device a command line names (`auto`: cuda when available, else cpu), checked against what
+    this machine has: ValueError (one line: the flag, the value, what is available, the fix) for an
+    unknown name, CUDA without a CUDA device, or a CUDA index past the last device."""
+    if isinstance(value, str) and value == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(value)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"{flag} {value!r}: not a device; expected auto, cpu, cuda or cuda:N") from None
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        raise ValueError(f"{flag} {value!r}: this project computes on cpu or cuda; use {flag} cpu or cuda")
+    if not torch.cuda.is_available():
+        raise ValueError(f"{flag} {value}: {cuda_summary()}; use {flag} cpu (or auto)")
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        last = torch.cuda.device_count() - 1
+        raise ValueError(f"{flag} {value}: only {cuda_summary()}; use cuda:0 to cuda:{last}")
+    return device
+
+
 def device_of(local_rank: int) -> torch.device:
-    """cuda:<local_rank> when CUDA is present, else the CPU (nothing is set up)."""
+    """cuda:<local_rank> when CUDA is present, else the CPU (nothing is set up). Under torchrun, a node
+    asked for more processes (NGPU, LOCAL_WORLD_SIZE) than it has CUDA devices is a ValueError on
+    every rank alike, before any of them waits for the others."""
     if torch.cuda.is_available():
-        if local_rank >= torch.cuda.device_count():
+        count = torch.cuda.device_count()
+        per_node = max(local_rank + 1, _env_int("LOCAL_WORLD_SIZE", 0))
+        if per_node > count:
             raise ValueError(
-                f"LOCAL_RANK = {local_rank} but only {torch.cuda.device_count()} CUDA devices are visible"
+                f"NGPU={per_node} processes per node (LOCAL_WORLD_SIZE), but this node has only "
+                f"{cuda_summary()}; set NGPU={count} or fewer (one process per GPU)"
             )
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
