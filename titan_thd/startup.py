@@ -208,7 +208,7 @@ def resolve_run(cfg: Config, world_size: int) -> Run:
             "training.compile = true: torch.compile's CPU backend builds C++ kernels, and no C++ compiler "
             "(g++, c++ or clang++) is on PATH; install one or set training.compile = false"
         )
-    cp_mode = resolve_mode(p.context_parallel_mode, cfg.model.name, spec.cp_mode)
+    cp_mode = resolve_mode(p.context_parallel_mode, label, spec.cp_mode)
     pad, derived = cfg.data.pad_to_multiple, ""
     if pad == 0:  # what the CP mode needs
         pad = default_pad_to_multiple(p.context_parallel_degree, cp_mode)

@@ -96,7 +96,12 @@ def test_every_pipeline_rank_counted_by_hand():
         assert r.state_bytes == n // 2 * 4 * (1 + 1 + 2)
         assert r.stage_copy_bytes == n * (4 + 4)  # gathered copy (compute) + unsharded grads (reduce)
         # Its own shards, built on the meta device, then filled one init block at a time (no full copy).
-        assert r.startup_bytes == n // 2 * 4 + seeded_init.BLOCK_BYTES
+        largest = max(V * D, D * D)  # the embedding / head weight: one init block holds it whole
+        assert (
+            r.startup_bytes
+            == n // 2 * 4 + min(seeded_init.BLOCK_BYTES, largest * 4)
+            == n // 2 * 4 + largest * 4
+        )
     # Largest all-gather: the root's embedding on stage 0 (larger than a block), the head on stage 1.
     assert (r0.largest_unit_bytes, r1.largest_unit_bytes) == (EMBED * 4, HEAD * 4)
 
@@ -123,7 +128,7 @@ def test_one_stage_without_fsdp_and_muon():
     assert (r.layers, r.params, r.in_flight, r.stage_copy_bytes) == (f"0-{N - 1}", total, 1, 0)
     assert r.state.optimizer_bytes == ((total - N * D * D) * 2 + N * D * D) * 4
     assert r.largest_unit_bytes == total * 4
-    assert r.startup_bytes == total * 4 + seeded_init.BLOCK_BYTES
+    assert r.startup_bytes == total * 4 + V * D * 4  # + one init block: the largest tensor, whole
 
 
 def test_mixed_precision_gathers_units_in_the_compute_dtype():

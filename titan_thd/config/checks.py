@@ -3,7 +3,7 @@
 Value ranges, the Literal choices, and the rules between fields of the same run (precision dtypes,
 resume allowances, [validation] and [evaluation] against data and parallelism). The rules that need
 the model or the world size (each parallelism's divisibility, T against data.pad_to_multiple) live
-in titan_thd/startup.py (`check_inputs`), which also runs before any process group exists.
+in titan_thd/startup.py (`resolve_run`), which also runs before any process group exists.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def validate(cfg: Config) -> None:
             f"parallelism.data_parallel_shard_degree: got {p.data_parallel_shard_degree}, expected -1 or >= 1"
         )
     # The rules of each parallelism, and T against data.pad_to_multiple, need the model and the world
-    # size: titan_thd.startup.check_inputs checks them, still before any process group.
+    # size: titan_thd.startup.resolve_run checks them, still before any process group.
     if cfg.data.source in ("jsonl", "parquet", "packed") and not cfg.data.path:
         raise ValueError(f"data.source = {cfg.data.source} needs data.path")
     _validate_validation(cfg)

@@ -37,13 +37,17 @@ from titan_thd.pipeline.schedule import max_in_flight
 from titan_thd.pipeline.split import rank_part
 
 
-def startup_peak_bytes(shard_params: int, master: torch.dtype, largest_tensor_bytes: int) -> int:
+def startup_peak_bytes(
+    shard_params: int, master: torch.dtype, largest_tensor: int, largest_slice_bytes: int
+) -> int:
     """The most one rank holds while the model is built: the model is built on the meta device, and
     each rank allocates only its own shards (master dtype) and fills them one block of rows at a time
-    (parallel/seeded_init.py, `BLOCK_BYTES`); reading model.hf_path adds one tensor's slice in flight
-    (`largest_tensor_bytes`: its read bytes and its float32 dequantised copy, 0 without a checkpoint).
-    Parameters only (buffers are small); the optimizer state comes at the first step."""
-    return shard_params * master.itemsize + BLOCK_BYTES + largest_tensor_bytes
+    (parallel/seeded_init.py: at most `BLOCK_BYTES`, at most the largest tensor, `largest_tensor`
+    elements); reading model.hf_path adds one tensor's slice in flight (`largest_slice_bytes`: its
+    read bytes and its float32 dequantised copy, 0 without a checkpoint). Parameters only (buffers are
+    small); the optimizer state comes at the first step."""
+    block = min(BLOCK_BYTES, largest_tensor * master.itemsize)
+    return shard_params * master.itemsize + block + largest_slice_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,6 +246,7 @@ def plan_memory(
                 startup_bytes=startup_peak_bytes(
                     state.params,
                     precision.master,
+                    max(p.numel() for p in part.parameters()),
                     # the largest FSDP shard of one tensor, read and dequantised to float32
                     2 * 4 * max(local_numel(p.shape, shards) for p in part.parameters())
                     if loads_checkpoint

@@ -7,7 +7,7 @@
 
 A model's `apply_ac`, a step of its fixed `parallelize_<model>` sequence, wraps its blocks or regions
 with the mechanism of `parallel/recompute.py`; `validate_activation_checkpoint` (called by
-`inputs.check_inputs`, before any process group) refuses what the model does not have. This module
+`startup.resolve_run`, before any process group) refuses what the model does not have. This module
 imports nothing heavy; its mode's choices (`ACMode`) are the config's (config/choices.py).
 """
 

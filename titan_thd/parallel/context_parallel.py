@@ -97,7 +97,7 @@ def validate_context_parallel(
 ) -> CPMode:
     """Every CP rule of a run, before any process group exists; returns the mode to run.
 
-    `degree` is positive and `tokens_per_microbatch` a multiple of `pad_to_multiple` (inputs.check_inputs);
+    `degree` is positive and `tokens_per_microbatch` a multiple of `pad_to_multiple` (startup.resolve_run);
     `model` names the model in messages (e.g. "dsv4 tiny").
     """
     mode = resolve_mode(configured_mode, model, model_mode)
