@@ -15,10 +15,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -177,7 +179,7 @@ def init_distributed(comm: Comm, single_rank_group: bool = False) -> DistInfo:
 def init_fake(world_size: int, rank: int = 0) -> DistInfo:
     """One process simulates `rank` of a `world_size` world on the fake backend (CPU tensors).
 
-    torch >= 2.13 creates the FakeStore itself when no store is given.
+    torch creates the FakeStore itself when no store is given (checked on 2.11.0 and 2.13.0).
     """
     if not 0 <= rank < world_size:
         raise ValueError(f"fake process group: rank {rank} is outside a world of {world_size}")
@@ -264,3 +266,13 @@ def any_rank(flag: bool) -> bool:
 def destroy() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def rank_zero_first(rank: int) -> Iterator[None]:
+    """Rank 0 runs the body first (e.g. tokenises into a cache), then the other ranks (reading it)."""
+    if rank != 0:
+        barrier()
+    yield
+    if rank == 0:
+        barrier()
