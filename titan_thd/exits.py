@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shlex
 import signal
@@ -69,6 +70,18 @@ INTERRUPTED = 130
 """Exit code of a run that Ctrl-C ended before its first step (128 + SIGINT, as a shell reports it)."""
 DEBUG_ENV = "TITAN_THD_DEBUG"
 """Environment variable: `TITAN_THD_DEBUG=1` shows the traceback of user errors too."""
+
+
+def check_finite(step: int, values: dict[str, float]) -> None:
+    """FloatingPointError (a run failure) when a step's global values are not all finite: it is
+    raised before the optimizer step, so neither the weights nor a checkpoint hold that step."""
+    if not all(math.isfinite(v) for v in values.values()):
+        raise FloatingPointError(
+            f"step {step}: not finite: "
+            + ", ".join(f"{k} = {v}" for k, v in values.items())
+            + ". Stopped before the optimizer step: neither the weights nor a checkpoint hold this "
+            "step (the newest checkpoint is the last good state); lower optimizer.lr or check the data"
+        )
 
 
 def debug_enabled() -> bool:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import math
 import os
 import sys
 import time
@@ -28,20 +27,17 @@ import torch
 from torch import nn
 
 from titan_thd import exits
-from titan_thd.components.checkpoint import CheckpointManager, model_fingerprint
+from titan_thd.components.checkpoint import CheckpointManager
+from titan_thd.components.checkpoint_folder import model_fingerprint
 from titan_thd.components.lr_scheduler import LRSchedulersContainer
 from titan_thd.components.metrics import (
     MetricsLogger,
     StepTimer,
     peak_tflops_per_rank,
     progress_line,
-    step_metrics,
+    step_record,
 )
-from titan_thd.components.optimizer import (
-    OptimizersContainer,
-    build_optimizers,
-    clip_grad_norm_,
-)
+from titan_thd.components.optimizer import OptimizersContainer, build_optimizers, clip_grad_norm_
 from titan_thd.components.precision import Precision
 from titan_thd.components.run_header import header_lines
 from titan_thd.components.run_settings import run_layout, run_settings
@@ -56,8 +52,8 @@ from titan_thd.data.stores import build_stores
 from titan_thd.data.tokenizer import Tokenizer
 from titan_thd.inference.evaluation import TrainingEvaluator
 from titan_thd.memory.dry_run import fake_step_fits
-from titan_thd.memory.live import available_host_bytes, max_rss_bytes
-from titan_thd.memory.plan import MemoryPlan, host_refusal
+from titan_thd.memory.live import available_host_bytes, log_peak_rss
+from titan_thd.memory.plan import MemoryPlan, refuse_beyond_host
 from titan_thd.models.compile import CompileClock
 from titan_thd.models.hf_tokenizer import write_tokenizer
 from titan_thd.models.spec import ModelSpec
@@ -118,17 +114,12 @@ class Trainer:
         self.cfg, self.spec, self.tokenizer, self.model_args = cfg, run.spec, run.tokenizer, run.model_args
         self.parallel_dims = dims = run.dims
         check_outputs(cfg)  # a new run does not replace another run's metrics
-        self.evaluator = (  # answer accuracy on held-out chat problems (titan_thd/inference/evaluation.py)
-            TrainingEvaluator(
-                cfg.evaluation,
-                cfg.training.steps,
-                self.tokenizer,
-                cfg.training.tokens_per_microbatch,
-                self.spec,
+        self.evaluator = None  # answer accuracy on held-out chat problems (inference/evaluation.py)
+        if cfg.evaluation.enable:
+            t = cfg.training
+            self.evaluator = TrainingEvaluator(
+                cfg.evaluation, t.steps, self.tokenizer, t.tokens_per_microbatch, self.spec
             )
-            if cfg.evaluation.enable
-            else None
-        )
         self.precision, self.compile = run.precision, run.compile
 
         # Mixed precision is FSDP2's casting, on every layout: one process shards over a group of one.
@@ -136,23 +127,26 @@ class Trainer:
         if cfg.training.deterministic:
             torch.use_deterministic_algorithms(True)
         dims.build_meshes(self.dist.device.type)
-        cp_mesh = dims.get_optional_mesh("cp")
-        self.cp = CPContext(
-            size=dims.cp,
-            rank=dims.mesh_rank("cp"),
-            group=None if cp_mesh is None else cp_mesh.get_group(),
-            mode=run.cp_mode,
-            hybrid_threshold=run.hybrid_threshold,
-        )
+        # Every pipeline rank's memory, planned once by rank 0, which logs it and decides the host
+        # refusal for all, before anything is allocated; in a dry run every rank sizes its own step.
+        self.memory: MemoryPlan | None = run.memory if self.dist.is_main or fake else None
+        self._refuse_beyond_host_memory()
+        cp_group = None if dims.cp == 1 else dims.get_mesh("cp").get_group()
+        self.cp = CPContext(dims.cp, dims.mesh_rank("cp"), cp_group, run.cp_mode, run.hybrid_threshold)
 
         layout = run.layout(dp_rank=dims.mesh_rank("batch"))
-        store, val_store = self._token_stores()
+        store, val_store = None, None  # offline packs: the loader reads them
+        if cfg.data.source != "packed":  # rank 0 tokenises into the cache first, the others read it
+            with dist_utils.rank_zero_first(self.dist.rank):
+                t, main = cfg.training, self.dist.is_main
+                store, val_store = build_stores(
+                    cfg.data, cfg.validation, self.tokenizer, t.seed, run.cache_dir, main
+                )
         self.dataloader = build_dataloader(cfg.data, store, layout, self.tokenizer)
 
-        # Built on the meta device and cut and sharded there; then each rank allocates only its own
-        # shards and fills them from the seed (the same weights on every layout) or the checkpoint.
+        # Built on the meta device (in the master dtype: FSDP casts what it gathers), cut and sharded
+        # there; each rank then allocates only its shards, filled from the seed or the checkpoint.
         torch.manual_seed(cfg.training.seed)
-        # FSDP casts what it gathers; the master stays in this dtype.
         model = build_on_meta(lambda: self.spec.build(self.model_args)).to(self.precision.master)
         if cfg.model.hf_path and fake:
             logger.warning("model.hf_path: not loaded in a fake-process-group dry run (meta weights)")
@@ -193,14 +187,11 @@ class Trainer:
         self.stop = StopSignal(announce=self.dist.is_main)  # SIGTERM, Ctrl-C: installed by train()
         self.stopped = False  # whether a stop signal (to any rank) ended train() early
         # Only one rank writes metrics; it measures the MFU peak while the others wait.
-        self.peak_tflops = 0.0
-        if self.dist.is_main:
-            self.peak_tflops = peak_tflops_per_rank(
-                cfg.metrics,
-                self.precision.compute,
-                self.dist.device,
-                int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
-            )
+        local, dev = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), self.dist.device
+        is_main = self.dist.is_main
+        self.peak_tflops = (
+            peak_tflops_per_rank(cfg.metrics, self.precision.compute, dev, local) if is_main else 0.0
+        )
         dist_utils.barrier()
         self.metrics = MetricsLogger(
             cfg.metrics, cfg.job.dump_folder, enabled=self.dist.is_main, settings=run_settings(cfg)
@@ -208,10 +199,6 @@ class Trainer:
         self._recent_step_times: collections.deque[float] = collections.deque(maxlen=10)
         self.compile_clock = CompileClock()  # the compile seconds of the steps that compiled
         self.timer = StepTimer(self.dist.device)
-        # Every rank's memory, planned once (memory/plan.py) by rank 0, which logs it and decides the
-        # host refusal for all; in a dry run every rank reads its own figures to size its step.
-        # Every pipeline rank's memory, decided once (the refusal, the dry run and the header read it).
-        self.memory: MemoryPlan | None = run.memory if self.dist.is_main or fake else None
         if self.dist.is_main:
             self._log_header()
             if not self.dist.fake:  # the run folder holds the tokenizer it was trained with
@@ -260,13 +247,8 @@ class Trainer:
         # Global values, the same on every rank: all ranks stop here together, and a bad step
         # never reaches the weights, the optimizer state or a checkpoint. (A fake-process-group dry
         # run computes on garbage collectives: its numbers mean nothing.)
-        if not self.dist.fake and not all(math.isfinite(v) for v in result.values()):
-            raise FloatingPointError(
-                f"step {self.step}: not finite: "
-                + ", ".join(f"{k} = {v}" for k, v in result.items())
-                + ". Stopped before the optimizer step: neither the weights nor a checkpoint hold this "
-                "step (the newest checkpoint is the last good state); lower optimizer.lr or check the data"
-            )
+        if not self.dist.fake:
+            exits.check_finite(self.step, result)
         lr = self.lr_schedulers.current_lr
         with self.timer.phase("optimizer"):
             self.optimizers.step()
@@ -289,29 +271,10 @@ class Trainer:
     def log(
         self, step_batch: StepBatch, result: dict[str, float], step_time: float, wall_time: float
     ) -> None:
-        val = {k: v for k, v in result.items() if k.startswith("val/")}
-        aux = {k: v for k, v in result.items() if k not in ("loss", "grad_norm", "lr", *val)}
-        record = (
-            step_metrics(
-                step=self.step,
-                loss=result["loss"],
-                grad_norm=result["grad_norm"],
-                lr=result["lr"],
-                step_time=step_time,
-                wall_time=wall_time,
-                tokens_real=step_batch.real_tokens,
-                tokens_trained=step_batch.trained_tokens,
-                tokens_slots=step_batch.slot_tokens,
-                flops=self.spec.flops_per_step(self.model_args, step_batch.doc_lengths),
-                num_microbatches=step_batch.num_microbatches,
-                imbalance=step_batch.imbalance,
-                world_size=self.dist.world_size,
-                peak_tflops=self.peak_tflops,
-                aux_losses=aux,
-                phase_times=self.timer.pop(),
-            )
-            | val
-        )
+        flops = self.spec.flops_per_step(self.model_args, step_batch.doc_lengths)
+        timing = {"step_time": step_time, "wall_time": wall_time, "phase_times": self.timer.pop()}
+        timing |= {"world_size": self.dist.world_size, "peak_tflops": self.peak_tflops}
+        record = step_record(self.step, result, step_batch, flops=flops, **timing)
         self.metrics.log(record, last_step=self.cfg.training.steps)
         if self.compile.on and self.dist.is_main and (line := self.compile_clock.line(self.step, step_time)):
             logger.info("%s", line)
@@ -333,11 +296,15 @@ class Trainer:
         return self.evaluator.run(self.model, lambda: self.spec.build(self.model_args), self.dist.device)
 
     def train(self) -> None:
-        if self.dist.fake and not self._fake_step_fits():
-            return
-        self._refuse_beyond_host_memory()
+        if self.dist.fake:  # a dry run's step only where its memory fits this machine (memory/dry_run.py)
+            rank, tokens = self.memory.ranks[self.parallel_dims.mesh_rank("pp")], self.run.tokens_per_rank
+            flops = self.spec.flops_per_step(self.model_args, [tokens]) / self.parallel_dims.pp
+            if not fake_step_fits(rank, tokens, flops, self.peak_tflops):
+                return
         self.stop.install()
         self.checkpointer.load()  # restores self.step / tokens_seen / the data position
+        if self.dist.device.type == "cpu":  # the model built (and loaded), no step yet
+            log_peak_rss("start-up: max RSS per rank", self.dist.is_main)
         self.first_step = self.step  # the summary counts this invocation's steps
         start = time.perf_counter()
         while self.step < self.cfg.training.steps:
@@ -359,31 +326,14 @@ class Trainer:
                 self.stopped = True
                 break
         if self.dist.device.type == "cpu":  # on a GPU the allocator's peak is the figure (not printed yet)
-            peaks = dist_utils.all_gather_object(max_rss_bytes() / 2**30)
-            if self.dist.is_main:
-                listed = ", ".join(f"{p:.2f}" for p in peaks)
-                logger.info("peak memory (max RSS) per rank: %s GiB (largest %.2f)", listed, max(peaks))
+            log_peak_rss("peak memory (max RSS) per rank", self.dist.is_main)
 
     def _refuse_beyond_host_memory(self) -> None:
-        """On CPU the ranks of a host share its memory: a run whose estimate cannot fit is refused
-        here, with the numbers, instead of being killed by the kernel in its first step (which can
-        take the user's other work with it). Rank 0 decides for all, so they refuse together."""
-        if self.dist.fake or self.dist.device.type != "cpu":
-            return
-        message = ""
-        if self.dist.is_main:  # the fullest host's ranks, start-up peaks included, every layout
-            c, local = self.cfg, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-            message = host_refusal(
-                self.memory,
-                local,
-                available_host_bytes(),
-                c.training.tokens_per_microbatch,
-                self.parallel_dims.cp,
-                c.activation_checkpoint.mode,
-            )
-        message = dist_utils.broadcast_object(message)
-        if message:
-            raise ValueError(message)
+        """On CPU the ranks of a host share its memory: a run whose plan cannot fit is refused before
+        its model is allocated (memory/plan.py), not killed by the kernel. Rank 0 decides for all."""
+        if not self.dist.fake and self.dist.device.type == "cpu":
+            available = available_host_bytes() if self.dist.is_main else 0
+            refuse_beyond_host(self.memory, available, self.cfg, self.parallel_dims.cp, self.dist.is_main)
 
     def close(self) -> None:
         """Flush the metrics and restore the signal handlers (the process group stays up: main() ends it)."""
@@ -397,18 +347,9 @@ class Trainer:
         ckpt = self.checkpointer
         steps = ckpt.complete_steps() if ckpt.enabled else []
         saved = ckpt.step_dir(steps[-1]) if steps else None
-        line = exits.summary_line(
-            self.cfg,
-            argv,
-            first_step=self.first_step,
-            step=self.step,
-            tokens=self.tokens_seen,
-            seconds=self.train_seconds,
-            loss=self.last_loss,
-            checkpoint=saved,
-            stopped=self.stopped,
-        )
-        logger.info("%s", line)
+        did = {"first_step": self.first_step, "step": self.step, "tokens": self.tokens_seen}
+        did |= {"seconds": self.train_seconds, "loss": self.last_loss, "stopped": self.stopped}
+        logger.info("%s", exits.summary_line(self.cfg, argv, checkpoint=saved, **did))
         if self.stopped:
             logger.info("%s", exits.stopped_line(self.stop.received, self.step, saved, argv, self.cfg))
 
@@ -420,53 +361,25 @@ class Trainer:
         if self.cfg.model.hf_path:
             self.spec.init_from_hf(model, self.cfg.model.hf_path)
 
-    def _token_stores(self):
-        """(training, validation or None) token stores; rank 0 tokenises first, the others then read
-        its cache instead of repeating the work. (None, None) for offline packs (the loader reads them)."""
-        cfg = self.cfg
-        if cfg.data.source == "packed":
-            return None, None
-        if self.dist.rank != 0:
-            dist_utils.barrier()
-        stores = build_stores(
-            cfg.data,
-            cfg.validation,
-            self.tokenizer,
-            cfg.training.seed,
-            self.run.cache_dir,
-            progress=self.dist.is_main,
-        )
-        if self.dist.rank == 0:
-            dist_utils.barrier()
-        return stores
-
     def _validator(self, store, layout) -> Validator | None:
         if store is None:
             return None
-        cfg = self.cfg
-        padded = self.spec.padded_forward if cfg.validation.compare_padded else None
+        c, padded = self.cfg, self.spec.padded_forward
+        batches = OrderedSteps(
+            store.view(layout.T, c.data.overlong), layout, pad_to_multiple=layout.pad_to_multiple
+        )
         return Validator(
-            cfg.validation,
-            OrderedSteps(
-                store.view(layout.T, cfg.data.overlong), layout, pad_to_multiple=layout.pad_to_multiple
-            ),
+            c.validation,
+            batches,
             runner=self.runner,
             prepare=self.local_inputs,
             loss_mesh=self.parallel_dims.get_optional_mesh("loss"),
             device=self.dist.device,
-            last_step=cfg.training.steps,
+            last_step=c.training.steps,
             is_main=self.dist.is_main,
-            padded_forward=None
-            if padded is None
-            else (lambda tokens, lengths: padded(self.model, tokens, lengths)),
+            padded_forward=(lambda t, n: padded(self.model, t, n)) if c.validation.compare_padded else None,
             pad_id=self.tokenizer.pad_id,
         )
-
-    def _fake_step_fits(self) -> bool:
-        tokens = self.cfg.training.tokens_per_microbatch // self.parallel_dims.cp
-        flops = self.spec.flops_per_step(self.model_args, [tokens]) / self.parallel_dims.pp
-        rank = self.memory.ranks[self.parallel_dims.mesh_rank("pp")]
-        return fake_step_fits(rank, tokens, flops, self.peak_tflops)
 
     def _log_header(self) -> None:
         c, d, precision = self.cfg, self.parallel_dims, self.precision
@@ -490,10 +403,9 @@ class Trainer:
             ac_regions=self.spec.ac_regions,
             peak_tflops=self.peak_tflops,
         ):
-            if line.startswith("warning: "):
-                logger.warning("%s", line.removeprefix("warning: "))
-            else:
-                logger.info("%s", line)
+            (logger.warning if line.startswith("warning: ") else logger.info)(
+                "%s", line.removeprefix("warning: ")
+            )
 
 
 def main(argv: list[str] | None = None) -> int:

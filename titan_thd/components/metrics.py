@@ -40,6 +40,7 @@ import torch
 
 from titan_thd.components.run_settings import write_run_file
 from titan_thd.config import Metrics as MetricsConfig
+from titan_thd.data.dataloader import StepBatch
 
 logger = logging.getLogger("titan_thd")
 
@@ -96,6 +97,33 @@ def peak_tflops_per_rank(
         return cfg.peak_tflops
     peak = measure_matmul_tflops(dtype, device)
     return peak / local_world_size if device.type == "cpu" else peak
+
+
+def step_record(
+    step: int, result: dict[str, float], batch: StepBatch, *, flops: float, **timing: Any
+) -> dict[str, Any]:
+    """The metrics.jsonl record of optimizer step `step` from its global values (`result`: loss,
+    grad_norm, lr, the aux terms and any val/* metrics) and its batch's counts; `timing`: step_time,
+    wall_time, world_size, peak_tflops, phase_times as `step_metrics` takes them."""
+    val = {k: v for k, v in result.items() if k.startswith("val/")}
+    aux = {k: v for k, v in result.items() if k not in ("loss", "grad_norm", "lr", *val)}
+    return (
+        step_metrics(
+            step=step,
+            loss=result["loss"],
+            grad_norm=result["grad_norm"],
+            lr=result["lr"],
+            tokens_real=batch.real_tokens,
+            tokens_trained=batch.trained_tokens,
+            tokens_slots=batch.slot_tokens,
+            flops=flops,
+            num_microbatches=batch.num_microbatches,
+            imbalance=batch.imbalance,
+            aux_losses=aux,
+            **timing,
+        )
+        | val
+    )
 
 
 def step_metrics(

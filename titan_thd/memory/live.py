@@ -14,6 +14,7 @@ memory estimate of the log header (memory/activations.py) is checked against it
 
 from __future__ import annotations
 
+import logging
 import os
 import resource
 import sys
@@ -23,6 +24,8 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+from titan_thd.parallel.distributed import all_gather_object
 
 
 class LiveBytes(TorchDispatchMode):
@@ -64,6 +67,14 @@ def max_rss_bytes() -> int:
     libraries), the figure a CPU run reports per rank at its end."""
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss if sys.platform == "darwin" else rss * 1024  # Linux counts KiB
+
+
+def log_peak_rss(what: str, is_main: bool) -> None:
+    """Every rank's peak RSS so far, logged by rank 0 in one line (a collective: every rank calls it)."""
+    peaks = all_gather_object(max_rss_bytes() / 2**30)
+    if is_main:
+        listed = ", ".join(f"{p:.2f}" for p in peaks)
+        logging.getLogger("titan_thd").info("%s: %s GiB (largest %.2f)", what, listed, max(peaks))
 
 
 def available_host_bytes() -> int:

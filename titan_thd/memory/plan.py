@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Callable, Collection
 from typing import Any
 
@@ -27,10 +28,11 @@ import torch
 from torch import nn
 
 from titan_thd.components.precision import Precision
-from titan_thd.config import ActivationCheckpoint
+from titan_thd.config import ActivationCheckpoint, Config
 from titan_thd.memory import activations
 from titan_thd.memory.state import MemoryEstimate, estimate_memory_per_rank, local_numel, size
 from titan_thd.models.spec import ModelSpec
+from titan_thd.parallel.distributed import broadcast_object
 from titan_thd.parallel.parallel_dims import ParallelDims
 from titan_thd.parallel.seeded_init import BLOCK_BYTES
 from titan_thd.pipeline.schedule import max_in_flight
@@ -315,3 +317,18 @@ def host_refusal(
         "(--activation_checkpoint.mode full), lower training.tokens_per_microbatch or raise "
         "parallelism.context_parallel_degree"
     )
+
+
+def refuse_beyond_host(
+    plan: MemoryPlan | None, available: float, cfg: Config, cp: int, is_main: bool
+) -> None:
+    """ValueError on every rank when the fullest host's ranks cannot fit in `available` bytes (rank 0,
+    `is_main`, decides with its plan and tells the others: they refuse together). A collective."""
+    message = ""
+    if is_main:
+        assert plan is not None  # rank 0 plans the memory
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        t, ac = cfg.training, cfg.activation_checkpoint
+        message = host_refusal(plan, local, available, t.tokens_per_microbatch, cp, ac.mode)
+    if message := broadcast_object(message):
+        raise ValueError(message)
