@@ -56,7 +56,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from titan_thd.components.checkpoint import META_FILE, PER_EXPERT_PARAM, write_meta
+from titan_thd.components.checkpoint_folder import META_FILE, PER_EXPERT_PARAM, write_meta
 from titan_thd.inference.loading import (
     _checkpoint_manager,
     config_argv,

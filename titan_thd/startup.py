@@ -36,7 +36,8 @@ from typing import Any
 import torch
 
 from titan_thd.components import hardware, run_settings
-from titan_thd.components.checkpoint import CheckpointManager, checkpoint_steps, model_fingerprint
+from titan_thd.components.checkpoint import CheckpointManager
+from titan_thd.components.checkpoint_folder import checkpoint_steps, model_fingerprint
 from titan_thd.components.optimizer import default_matrix_params
 from titan_thd.components.precision import Precision, resolve_precision
 from titan_thd.config import Config, coerce, validate

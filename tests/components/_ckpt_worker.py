@@ -14,7 +14,8 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import nn
 
-from titan_thd.components.checkpoint import CheckpointManager, model_fingerprint
+from titan_thd.components.checkpoint import CheckpointManager
+from titan_thd.components.checkpoint_folder import model_fingerprint
 from titan_thd.components.optimizer import OptimizersContainer
 from titan_thd.components.signals import StopSignal
 from titan_thd.config import Checkpoint

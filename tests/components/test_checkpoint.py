@@ -21,7 +21,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimi
 from tests._dist import spawn
 from tests.components._ckpt_worker import TrainState, build, manager, train_step
 from titan_thd.components import checkpoint as C
-from titan_thd.components.checkpoint import CheckpointError, CheckpointManager, model_fingerprint
+from titan_thd.components.checkpoint import CheckpointError, CheckpointManager
+from titan_thd.components.checkpoint_folder import model_fingerprint
 from titan_thd.components.optimizer import OptimizersContainer
 from titan_thd.config import Checkpoint
 

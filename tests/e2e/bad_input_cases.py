@@ -124,7 +124,7 @@ def checkpoint(folder: Path) -> None:
     (llama debug, byte tokenizer: 320 embedding rows); its fingerprint is read before any shard."""
     import dataclasses
 
-    from titan_thd.components.checkpoint import META_FILE, model_fingerprint
+    from titan_thd.components.checkpoint_folder import META_FILE, model_fingerprint
     from titan_thd.models.llama import build_llama, flavors
     from titan_thd.parallel.fsdp import build_on_meta
 

@@ -44,12 +44,10 @@ import contextlib
 import json
 import logging
 import os
-import re
 import shutil
 import time
 import warnings
-import zlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -64,19 +62,24 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 
+from titan_thd.components.checkpoint_folder import (
+    META_FILE,
+    PER_EXPERT_PARAM,
+    RESERVED_KEYS,
+    SHARD_FILE,
+    STEP_DIR,
+    TMP_DIR,
+    checkpoint_steps,
+    crc32,
+    fingerprint_differences,
+    flat_keys,
+    fsync_dir,
+)
 from titan_thd.components.run_settings import check_resume
 from titan_thd.config import Checkpoint
 from titan_thd.parallel import distributed
 
 logger = logging.getLogger(__name__)
-
-STEP_DIR = re.compile(r"^step-(\d+)$")
-TMP_DIR = re.compile(r"^step-\d+\.tmp-")
-META_FILE = "meta.json"
-SHARD_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")  # DCP's FileSystemWriter: __<rank>_<n>.distcp
-RESERVED_KEYS = ("model", "optimizer", "lr_scheduler", "rng")
-PER_EXPERT_PARAM = re.compile(r"\.experts\.\d+\.w[123]\.weight$")
-"""A routed-expert parameter of the layout before stacking (a dsv4 checkpoint to convert)."""
 
 
 class CheckpointError(RuntimeError):
@@ -89,95 +92,12 @@ class Stateful(Protocol):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
 
 
-# ============================================================================ fingerprint
-def model_fingerprint(model_parts: Sequence[nn.Module], **info: Any) -> dict[str, Any]:
-    """`info` (e.g. model="llama", flavor="debug") plus every parameter's name and global shape."""
-    params = {}
-    for part in model_parts:
-        for name, p in part.named_parameters():
-            params[name.replace("_orig_mod.", "")] = list(p.shape)  # torch.compile wrapper prefix
-    return {**info, "params": params}
-
-
-def fingerprint_differences(saved: dict[str, Any], current: dict[str, Any], limit: int = 8) -> list[str]:
-    """Human-readable differences between two fingerprints (empty when they agree)."""
-
-    def some(names: list[str]) -> str:
-        return ", ".join(names[:limit]) + (f" ... ({len(names)} in all)" if len(names) > limit else "")
-
-    diffs = [
-        f"{key}: checkpoint {saved.get(key)!r}, this run {current.get(key)!r}"
-        for key in sorted(set(saved) | set(current))
-        if key != "params" and saved.get(key) != current.get(key)
-    ]
-    old, new = saved.get("params", {}), current.get("params", {})
-    only_old = [n for n in old if n not in new]
-    only_new = [n for n in new if n not in old]
-    reshaped = [f"{n} {old[n]} -> {new[n]}" for n in old if n in new and old[n] != new[n]]
-    if only_old:
-        diffs.append(f"parameters only in the checkpoint: {some(only_old)}")
-    if only_new:
-        diffs.append(f"parameters only in this run's model: {some(only_new)}")
-    if reshaped:
-        diffs.append(f"parameters with other shapes (checkpoint -> this run): {some(reshaped)}")
-    return diffs
-
-
-# ============================================================================ folder helpers
-def _flat_keys(tree: Mapping[str, Any], prefix: str = "") -> list[str]:
-    """DCP's flattened keys: nested mappings are joined with '.', everything else is a leaf."""
-    keys = []
-    for k, v in tree.items():
-        if isinstance(v, Mapping):
-            keys += _flat_keys(v, f"{prefix}{k}.")
-        else:
-            keys.append(f"{prefix}{k}")
-    return keys
-
-
 @contextlib.contextmanager
 def _single_process_is_fine() -> Iterator[None]:
     """DCP warns on every call without a process group; one process is a supported layout here."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _crc32(path: Path) -> int:
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 23):
-            crc = zlib.crc32(chunk, crc)
-    return crc
-
-
-def write_meta(folder: Path, step: int, world_size: int, fingerprint: dict[str, Any]) -> None:
-    """meta.json of a checkpoint folder written by one process outside the trainer (a conversion):
-    every other file's size and CRC-32, as `CheckpointManager.save` records them."""
-    files = {f.name: [f.stat().st_size, _crc32(f)] for f in sorted(folder.iterdir()) if f.name != META_FILE}
-    meta = {
-        "step": step,
-        "world_size": world_size,
-        "fingerprint": fingerprint,
-        "time": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "files": files,
-    }
-    (folder / META_FILE).write_text(json.dumps(meta))
-
-
-def checkpoint_steps(folder: Path) -> list[int]:
-    """Steps of the complete checkpoints in `folder` (folders named exactly step-<N>), ascending."""
-    if not folder.is_dir():
-        return []
-    return sorted(int(m.group(1)) for p in folder.iterdir() if p.is_dir() and (m := STEP_DIR.match(p.name)))
 
 
 def _all_gather(obj: Any) -> list[Any]:
@@ -349,7 +269,7 @@ class CheckpointManager:
         for f in sorted(tmp.iterdir()):
             m = SHARD_FILE.match(f.name)
             if f.is_file() and f.name != META_FILE and (int(m.group(1)) == me if m else me == 0):
-                out[f.name] = [f.stat().st_size, _crc32(f)]
+                out[f.name] = [f.stat().st_size, crc32(f)]
         return out
 
     def _write_meta(self, tmp: Path, step: int, files: dict[str, list[int]]) -> None:
@@ -376,7 +296,7 @@ class CheckpointManager:
             stale = self.folder / f"step-{step}.tmp-replaced-{os.getpid()}"
             os.rename(final, stale)
         os.rename(tmp, final)
-        _fsync_dir(self.folder)
+        fsync_dir(self.folder)
         if stale is not None:
             shutil.rmtree(stale, ignore_errors=True)
 
@@ -461,7 +381,7 @@ class CheckpointManager:
                 problems.append(f"{f} is missing")
             elif f.stat().st_size != size:
                 problems.append(f"{f} has {f.stat().st_size} bytes, {size} when saved")
-            elif _crc32(f) != crc:
+            elif crc32(f) != crc:
                 problems.append(f"{f} has other contents than when saved (CRC-32 mismatch)")
         problems = sorted(p for part in _all_gather(problems) for p in part)
         if problems:
@@ -481,7 +401,7 @@ class CheckpointManager:
         saved = set(metadata.state_dict_metadata)
         missing = [
             k
-            for k in _flat_keys(state_dict)
+            for k in flat_keys(state_dict)
             if k not in saved and not any(s.startswith(k + ".") for s in saved)
         ]
         if missing:

@@ -29,7 +29,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from titan_thd.components.checkpoint import STEP_DIR, CheckpointManager, model_fingerprint
+from titan_thd.components.checkpoint import CheckpointManager
+from titan_thd.components.checkpoint_folder import STEP_DIR, model_fingerprint
 from titan_thd.config import Checkpoint, Config, Parallelism, load_config
 from titan_thd.data import deepseek_chat
 from titan_thd.data.chat_template import encode_prompt

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from
 
 import scripts.convert_hf as convert_hf
 from tests.conftest import TRAIN_ARGS
-from titan_thd.components.checkpoint import write_meta
+from titan_thd.components.checkpoint_folder import write_meta
 from titan_thd.config import load_config
 from titan_thd.models.dsv4.hf_interop import split_experts
 from titan_thd.train import Trainer
