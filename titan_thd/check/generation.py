@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from titan_thd.check.cli import Context, Outcome, Step
-from titan_thd.check.recipes import RECIPES, ROOT
+from titan_thd.check.recipes import RECIPES, ROOT, SMALL
+from titan_thd.check.steps import Context, Outcome, Step
 
 PROMPTS = ["What is 12 + 7?", "Reverse the string 'abc'."]
 
@@ -21,7 +21,7 @@ def greedy(model: str, device: torch.device, decoder: str, new_tokens: int, smal
     from titan_thd.inference.loading import load_model
 
     argv = ["--job.config_file", str(ROOT / "train_configs" / RECIPES[model])]
-    argv += ["--model.flavor", "micro"] if small and model == "dsv4" else []
+    argv += list(SMALL[model]) if small else []
     loaded = load_model(argv, untrained=True, device=device, dtype="float32")
     prompts = [loaded.chat_prompt([{"role": "user", "content": p}]) for p in PROMPTS]
     return [c.tokens for c in loaded.generate(prompts, new_tokens, decoder=decoder)]

@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from titan_thd.check.cli import Context, Outcome, Step
+from titan_thd.check.steps import Context, Outcome, Step
 
 U_BF16 = 2.0**-8
 
@@ -76,11 +76,10 @@ def te_attention(ctx: Context) -> Outcome:
 
 def flash_layers(ctx: Context) -> tuple:
     from titan_thd.models import get_model_spec
-    from titan_thd.models.dsv4.args import flavors
 
     spec = get_model_spec("dsv4")
     args = dataclasses.replace(
-        flavors["flash"],
+        spec.flavors["flash"],
         layer_types=("sliding", "csa", "hca"),
         n_hash_layers=0,
         n_experts=8,

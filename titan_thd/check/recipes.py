@@ -28,12 +28,14 @@ from pathlib import Path
 
 import torch
 
-from titan_thd.check.cli import Context, Outcome, Step
+from titan_thd.check.steps import Context, Outcome, Step
 
 ROOT = Path(__file__).resolve().parents[2]
 FP32_BOUND = 1e-4
 U_BF16 = 2.0**-8
 RECIPES = {"llama": "debug_dense_thd.toml", "dsv4": "dsv4_flash_thd.toml"}
+SMALL = {"llama": (), "dsv4": ("--model.flavor", "micro")}
+"""What CPU scale adds to each recipe (the dsv4 recipe's smallest flavor)."""
 FP32 = ("--training.dtype", "float32", "--training.mixed_precision_param", "float32")
 MIXED = ("--training.dtype", "float32", "--training.mixed_precision_param", "bfloat16")
 MOCK = '{"mode": "distribution", "type": "lognormal", "min_seq_len": 16, "max_seq_len": 200, "mean_seq_len": 64, "lognormal_sigma": 1.0}'
@@ -78,8 +80,8 @@ class RunResult:
 
 def recipe_args(ctx: Context, model: str, precision: tuple[str, ...], dump: Path) -> list[str]:
     steps = 4 if ctx.gpu else 2
-    scale = [] if ctx.gpu else [*CPU_SCALE, *(["--model.flavor", "micro"] if model == "dsv4" else [])]
-    if model == "dsv4" and precision is FP32:  # Newton-Schulz in bf16 (auto on a GPU) is not a float32 run
+    scale = [] if ctx.gpu else [*CPU_SCALE, *SMALL[model]]
+    if precision is FP32:  # Muon's Newton-Schulz in bf16 (auto on a GPU) is not a float32 run
         scale += ["--optimizer.muon_ns_dtype", "float32"]
     return [
         "--job.config_file", str(ROOT / "train_configs" / RECIPES[model]),

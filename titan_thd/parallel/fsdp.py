@@ -101,7 +101,14 @@ def apply_fsdp(
             # expert may get no tokens on one rank. Without zero gradients for the parameters
             # a rank did not use, ranks reduce-scatter different buffers and the collective
             # mismatches (gloo aborts, NCCL hangs).
-            module.set_reduce_scatter_unused_params(True)
+            if hasattr(module, "set_reduce_scatter_unused_params"):
+                module.set_reduce_scatter_unused_params(True)
+            elif fsdp_mesh.shape[-1] > 1:  # torch 2.11 has no such switch; a shard group of one needs none
+                raise ValueError(
+                    f"FSDP over {fsdp_mesh.shape[-1]} ranks needs torch 2.13 (FSDPModule."
+                    f"set_reduce_scatter_unused_params); this is torch {torch.__version__}: use torch 2.13, or "
+                    "one data-parallel shard per model replica (parallelism.data_parallel_shard_degree 1)"
+                )
     return model
 
 
