@@ -13,9 +13,10 @@
 #                   (a dry run of the parallel layout; losses are meaningless)
 #   TITAN_THD_DEBUG=1  show the Python traceback of an input error (without it, a bad config value,
 #                   data file, tokenizer, checkpoint, ... ends with one `error: ...` line, exit code 2)
-#   TITAN_THD_MALLOC=reuse|system  reuse (default): glibc keeps freed memory for the next step
-#                   (MALLOC_MMAP_MAX_=0, MALLOC_TRIM_THRESHOLD_ huge, unless you set them); system:
-#                   glibc's defaults, which hand every freed block over 32 MiB back to the OS
+#   TITAN_THD_MALLOC=reuse|system  reuse (default with NGPU=1): glibc keeps freed memory for the next
+#                   step (MALLOC_MMAP_MAX_=0, MALLOC_TRIM_THRESHOLD_ huge, unless you set them); system
+#                   (default with NGPU>1): glibc's defaults, which hand every freed block over 32 MiB
+#                   back to the OS
 # Several nodes (run this script once per node, same arguments; scripts/slurm_train.sbatch):
 #   NNODES=N      nodes in the job (default 1)
 #   NODE_RANK=I   this node, 0..NNODES-1 (default 0); node 0 hosts the rendezvous store
@@ -105,7 +106,9 @@ if [[ -z "${RDZV_ENDPOINT:-}" ]]; then
     env_error "NNODES=$NNODES needs RDZV_ENDPOINT=host:port (or MASTER_ADDR), an address of node 0 every node reaches"
   fi
 fi
-TITAN_THD_MALLOC="${TITAN_THD_MALLOC:-reuse}"
+# Several ranks on a host: each rank's kept heap (FSDP's gathered and reduced buffers of every size)
+# nearly doubled its RSS (4.11 vs 2.24 GiB per rank, 4 ranks of a 420M dsv4, docs/results.md §12).
+TITAN_THD_MALLOC="${TITAN_THD_MALLOC:-$( ((NGPU > 1)) && echo system || echo reuse)}"
 [[ "$TITAN_THD_MALLOC" =~ ^(reuse|system)$ ]] || env_error "TITAN_THD_MALLOC='$TITAN_THD_MALLOC': expected reuse or system"
 [[ "$RDZV_ENDPOINT" =~ ^.+:[0-9]+$ ]] || env_error "RDZV_ENDPOINT='$RDZV_ENDPOINT': expected host:port"
 # Port 0 means "any free port", which only the host itself would know.
@@ -116,8 +119,8 @@ fi
 if [[ "$TITAN_THD_MALLOC" == reuse ]]; then
   # glibc gives every freed block over 32 MiB back to the OS and the next step faults its pages in
   # again (zeroed): at d = 1,024 and 4K rows the [T, N, d] mHC streams are 64 MiB each, and those
-  # faults were a third of a CPU training step (docs/dsv4.md §16). Keeping freed memory in the heap
-  # for reuse costs nothing a step does not already peak at.
+  # faults were a third of a CPU training step (docs/dsv4.md §16). One process keeps freed memory in
+  # the heap for reuse at little cost beyond its step's peak; several ranks would each keep theirs.
   export MALLOC_MMAP_MAX_="${MALLOC_MMAP_MAX_:-0}" MALLOC_TRIM_THRESHOLD_="${MALLOC_TRIM_THRESHOLD_:-1099511627776}"
 fi
 "$ROOT/scripts/setup_env.sh"

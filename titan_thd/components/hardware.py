@@ -92,9 +92,9 @@ def muon_ns_dtype(choice: str, hw: Hardware, param_dtype: torch.dtype) -> str:
 def describe_malloc(device: torch.device) -> str:
     """How glibc's allocator treats the CPU step's large tensors ('' on a GPU or without glibc).
     By default glibc unmaps every freed block over 32 MiB and the next step faults its pages in
-    again; run_train.sh's TITAN_THD_MALLOC=reuse (its default) keeps them (docs/dsv4.md §16)."""
+    again; run_train.sh's TITAN_THD_MALLOC=reuse (its default for one process) keeps them (docs/dsv4.md §16)."""
     if device.type != "cpu" or not sys.platform.startswith("linux"):
         return ""
     if os.environ.get("MALLOC_MMAP_MAX_") == "0":
         return ", glibc malloc reuses freed memory"
-    return ", glibc malloc returns large blocks to the OS (slower: run_train.sh's TITAN_THD_MALLOC=reuse keeps them)"
+    return ", glibc malloc returns large blocks to the OS (TITAN_THD_MALLOC=reuse keeps them: faster on one process)"

@@ -10,8 +10,9 @@ Model contract (docs/design.md §3.4):
     out.aux_losses                      # {"name": scalar} SUMS over this rank's rows, coefficients
                                         # already applied; the trainer divides them, like the main
                                         # cross-entropy sum, by the global trained-token count.
-Initialisation is a function of the RNG state only (never of the parallel layout): build the
-model under `torch.manual_seed(seed)` on CPU, then shard it.
+Initialisation is a function of the seed only (never of the parallel layout): the trainer builds
+the model on the meta device, shards it, allocates this rank's shards and calls
+`model.init_weights(seed)` (parallel/seeded_init.py), which fills them block by block.
 """
 
 from __future__ import annotations
@@ -91,8 +92,9 @@ class ModelSpec:
     embeddings and the LM head."""
     # Optional trainer hooks: typed fields, so a misspelt hook is a TypeError when the spec is built.
     init_from_hf: Callable[[nn.Module, str], None] | None = None
-    """(model, model.hf_path) -> None: load a Hugging Face checkpoint into the built full-weight model
-    (before sharding); ValueError on an architecture mismatch. None = model.hf_path is refused."""
+    """(model, model.hf_path) -> None: load a Hugging Face checkpoint into the model's allocated
+    parameters (plain tensors, or this rank's DTensor shards, reading only their slices); ValueError
+    on an architecture mismatch. None = model.hf_path is refused."""
     check_hf: Callable[[Any, str, str], None] | None = None
     """(args, model.hf_path, name of the args) -> None: check the checkpoint's config.json against the
     args before anything is built or read (ValueError on a mismatch); None = no early check."""
