@@ -30,7 +30,6 @@ def _args(model: str, flavor: str, *layout: str, folder: str) -> list[str]:
 
 def _reference(argv: list[str]) -> dict[str, torch.Tensor]:
     run = resolve_run(load_config(argv), 1)
-    seeded_init.BLOCK_BYTES = BLOCK
     model = build_on_meta(lambda: run.spec.build(run.model_args)).to_empty(device="cpu")
     model.init_weights(SEED)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -87,7 +86,9 @@ LAYOUTS = {
 }
 
 
-def test_every_layout_builds_the_one_process_weights(tmp_path):
+def test_every_layout_builds_the_one_process_weights(tmp_path, monkeypatch):
+    # Here (the test's process: later tests must see the real block size) and in each spawned rank.
+    monkeypatch.setattr(seeded_init, "BLOCK_BYTES", BLOCK)
     argvs = [
         _args(model, flavor, *extra, "--training.tokens_per_microbatch", "256", folder=str(tmp_path))
         for model, flavor, extra in LAYOUTS.values()
