@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -303,3 +304,24 @@ def test_the_device_line_says_why_cuda_is_missing(monkeypatch):
     with pytest.raises(ValueError, match=want):
         parse_device("cuda")
     assert parse_device("auto") == torch.device("cpu") and parse_device("cpu") == torch.device("cpu")
+
+
+def test_a_python_without_torchdata_is_one_line():
+    """An air-gapped node's preinstalled torch may come without torchdata: the trainer says what to
+    install (and how without a network) in one line instead of an import traceback."""
+    block = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] == 'torchdata':\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import runpy; runpy.run_module('titan_thd.train', run_name='__main__')\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", block, "--help"], capture_output=True, text=True, check=False
+    )
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.startswith("error: titan_thd needs torchdata") and proc.stderr.count("\n") == 1, (
+        proc.stderr
+    )

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from titan_thd.config.checks import validate
+from titan_thd.config.jsonfile import read_json_object
 from titan_thd.config.schema import closest, field_type, section_types
 from titan_thd.config.sections import Config
 
@@ -110,21 +111,9 @@ def coerce(key: str, value: Any, typ: Any, from_cli: bool) -> Any:
 
 
 def _json_table(key: str, value: str) -> dict:
-    """The JSON object of file `value` (relative to the working directory); ValueError naming the file
-    and, for bad JSON, its line and column. (titan_thd/jsonfile.py reads JSON files for the rest of the
-    package the same way; the config imports nothing outside itself, so it reads its own.)"""
-    path, where = Path(value).expanduser().absolute(), f"{key} = {value!r}: "
-    try:
-        table = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ValueError(f"{where}{path} does not exist") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{where}{path}: invalid JSON: {e}") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"{where}cannot read {path}: {e}") from None
-    if not isinstance(table, dict):
-        raise ValueError(f"{where}{path} holds a JSON {type(table).__name__}, expected an object")
-    return table
+    """The JSON object of file `value` (relative to the working directory); ValueError naming the key,
+    the file and, for bad JSON, its line and column."""
+    return read_json_object(Path(value).expanduser().absolute(), prefix=f"{key} = {value!r}: ")
 
 
 # ============================================================================ loading

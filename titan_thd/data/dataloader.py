@@ -27,7 +27,16 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torchdata.stateful_dataloader import StatefulDataLoader
+
+try:
+    from torchdata.stateful_dataloader import StatefulDataLoader
+except ModuleNotFoundError as e:
+    # A node's preinstalled stack (no network) may lack it: one line, not an import traceback.
+    raise SystemExit(
+        f"error: titan_thd needs torchdata (its StatefulDataLoader), which this Python ({e.name} missing) lacks: "
+        "pip install torchdata, or on a node without network carry its pure-Python wheel "
+        "(pip download torchdata --no-deps elsewhere, then pip install --no-deps torchdata-*.whl)"
+    ) from None
 
 from titan_thd.data import sampler
 from titan_thd.data.bridge_pack import BRIDGE_FORMAT

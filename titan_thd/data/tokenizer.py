@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import get_args
 
 from titan_thd.config.choices import ChatTemplate
-from titan_thd.jsonfile import read_json_object
+from titan_thd.config.jsonfile import read_json_object
 
 PAD, BOS, EOS = "<|pad|>", "<|bos|>", "<|eos|>"
 ROLE_TOKENS = {

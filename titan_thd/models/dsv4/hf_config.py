@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from titan_thd.jsonfile import read_json_object
+from titan_thd.config.jsonfile import read_json_object
 from titan_thd.models.dsv4.args import DSv4Args, flavors
 from titan_thd.models.dsv4.hf_dequant import check_quantization_config
 from titan_thd.models.hf_io import SafetensorsFolder

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from titan_thd.jsonfile import read_json_object
+from titan_thd.config.jsonfile import read_json_object
 from titan_thd.models.dsv4.hf_config import check_hf
 from titan_thd.models.dsv4.hf_dequant import check_quantization_config, quantized_sources
 from titan_thd.models.dsv4.hf_names import stored_to_ours

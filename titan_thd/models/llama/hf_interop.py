@@ -25,8 +25,8 @@ from pathlib import Path
 
 import torch
 
+from titan_thd.config.jsonfile import read_json_object
 from titan_thd.data.tokenizer import Tokenizer
-from titan_thd.jsonfile import read_json_object
 from titan_thd.models.hf_io import LoadStats, Plain, SafetensorsFolder, check_fits, load_sources
 from titan_thd.models.hf_tokenizer import special_token_ids, write_tokenizer
 from titan_thd.models.hf_write import DEFAULT_MAX_SHARD_SIZE, DcpSource, ModelSource, write_weights
