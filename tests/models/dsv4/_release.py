@@ -16,11 +16,11 @@ from pathlib import Path
 
 import torch
 
+from tests.models.dsv4 import test_hf_fp8
 from titan_thd.models.dsv4.hf_config import hf_config_from_args
 from titan_thd.models.dsv4.hf_names import to_reference
 from titan_thd.models.hf_write import ShardedWriter
 
-POSITIVE_E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 FP8_MAX = 448.0
 
 
@@ -38,15 +38,9 @@ def quantize_fp8(w: torch.Tensor, bm: int = 128, bn: int = 128) -> tuple[torch.T
 
 
 def quantize_fp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(packed int8 codes [out, in/2], e8m0 scales [out, in/32])."""
-    rows, cols = w.shape
-    blocks = w.reshape(rows, cols // 32, 32)
-    scale = torch.exp2(torch.ceil(torch.log2(blocks.abs().amax(-1) / 6.0)))
-    v = blocks / scale[..., None]
-    mag = (v.abs()[..., None] - POSITIVE_E2M1).abs().argmin(-1)
-    code = (mag + 8 * (v < 0)).to(torch.uint8).reshape(rows, cols)
-    packed = (code[:, 0::2] | (code[:, 1::2] << 4)).view(torch.int8)
-    return packed, scale.to(torch.float8_e8m0fnu)
+    """(packed int8 codes [out, in/2], e8m0 scales [out, in/32]): test_hf_fp8's encoder."""
+    packed, scale, _, _ = test_hf_fp8.quantize_fp4(w)
+    return packed, scale
 
 
 def release_config(args, *, layout46: bool = False) -> dict:
