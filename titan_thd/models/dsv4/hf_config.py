@@ -233,9 +233,11 @@ def hf_config_from_args(
     }
 
 
-def _resolve_args(
+def match_args(
     ckpt: DSv4Args, flavor_or_args: str | DSv4Args | None, where: str, name: str = "the given args"
 ) -> DSv4Args:
+    """The args to build: the checkpoint's (`flavor_or_args` None), or the flavor's / given ones after
+    checking that their architecture is the checkpoint's (ValueError naming each differing field)."""
     if flavor_or_args is None:
         return ckpt
     if isinstance(flavor_or_args, str):
@@ -282,5 +284,5 @@ def check_hf(args: DSv4Args, path: str | Path, name: str = "the given args") -> 
     and its safetensors files are complete (index, headers, sizes); cheap (config.json and the
     headers), so the trainer calls it before building anything."""
     path = Path(path)
-    _resolve_args(_ckpt_args(path), args, str(path / "config.json"), name)
+    match_args(_ckpt_args(path), args, str(path / "config.json"), name)
     SafetensorsFolder(path)

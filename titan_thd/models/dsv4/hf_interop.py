@@ -23,12 +23,11 @@ import torch
 from titan_thd.data.tokenizer import Tokenizer
 from titan_thd.models.dsv4.args import DSv4Args
 from titan_thd.models.dsv4.hf_config import (
-    _ckpt_args,
-    _resolve_args,
     args_from_hf_config,
     check_hf,
     hf_args,
     hf_config_from_args,
+    match_args,
     read_hf_config,
 )
 from titan_thd.models.dsv4.hf_load import load_hf_into
@@ -104,7 +103,7 @@ def load_hf(path: str | Path, flavor_or_args: str | DSv4Args | None = None) -> t
     as loss weights are kept); None takes everything from config.json.
     """
     path = Path(path)
-    model = build_dsv4(_resolve_args(_ckpt_args(path), flavor_or_args, str(path / "config.json")))
+    model = build_dsv4(match_args(hf_args(path), flavor_or_args, str(path / "config.json")))
     load_hf_into(model, path)
     return model, model.args
 
