@@ -17,6 +17,7 @@ from titan_thd.components.precision import Precision
 from titan_thd.config import load_config
 from titan_thd.parallel import seeded_init
 from titan_thd.parallel.fsdp import build_on_meta
+from titan_thd.parallel.shards import canonical_name
 from titan_thd.pipeline.runner import build
 from titan_thd.startup import resolve_run
 
@@ -64,7 +65,7 @@ def _sharded(world: int, argv: list[str]) -> dict[str, torch.Tensor]:
         if isinstance(t, DTensor):
             sharded += t.to_local().numel() < t.numel()
             t = t.full_tensor()
-        out[seeded_init.canonical_name(name)] = t.detach().clone()
+        out[canonical_name(name)] = t.detach().clone()
     assert sharded > 0, "nothing was sharded: the layout did not apply"
     return out
 

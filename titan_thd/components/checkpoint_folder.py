@@ -17,6 +17,8 @@ from typing import Any
 
 from torch import nn
 
+from titan_thd.parallel.shards import canonical_name
+
 STEP_DIR = re.compile(r"^step-(\d+)$")
 TMP_DIR = re.compile(r"^step-\d+\.tmp-")
 META_FILE = "meta.json"
@@ -32,7 +34,7 @@ def model_fingerprint(model_parts: Sequence[nn.Module], **info: Any) -> dict[str
     params = {}
     for part in model_parts:
         for name, p in part.named_parameters():
-            params[name.replace("_orig_mod.", "")] = list(p.shape)  # torch.compile wrapper prefix
+            params[canonical_name(name)] = list(p.shape)
     return {**info, "params": params}
 
 

@@ -44,6 +44,7 @@ from titan_thd.inference.generate import GenerationStats, generate
 from titan_thd.inference.loading import stop_ids
 from titan_thd.inference.sampling import Sampling
 from titan_thd.models.spec import ModelSpec
+from titan_thd.parallel.shards import canonical_name
 
 HELDOUT = ASSETS_DIR / "chat_heldout.jsonl.gz"
 logger = logging.getLogger("titan_thd")
@@ -301,7 +302,7 @@ class TrainingEvaluator:
             full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
             with torch.random.fork_rng(devices=[]):  # the copy's initialisation leaves the run's RNG alone
                 copy = build_model()
-            copy.load_state_dict({k.replace("_orig_mod.", ""): v for k, v in full.items()})
+            copy.load_state_dict({canonical_name(k): v for k, v in full.items()})
             model = copy.to(device=device, dtype=next(model.parameters()).dtype)
             conversations = conversations[rank::world]
         result = evaluate(

@@ -12,8 +12,8 @@ value never depends on the layout: FSDP and EP ranks (rows split) draw about the
 whose columns are split draws every block of the tensor, one at a time.
 
 `fqn` is the name in the whole model: pipeline stages keep their layers' names, and the wrappers of
-activation recomputation and compilation (`_checkpoint_wrapped_module.`, `_orig_mod.`) are not part
-of it.
+activation recomputation, compilation and FSDP1 (`parallel/shards.py`'s `canonical_name`) are not
+part of it.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from collections.abc import Callable, Mapping
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from titan_thd.parallel.shards import canonical_name, local_box
 
 InitRule = Callable[[torch.Tensor, torch.Generator], None]
 """Fills a block of consecutive rows (first dimension) of a tensor in place from the generator; the
@@ -33,15 +33,6 @@ rows of a block must not depend on each other (a draw per element, a constant, a
 
 BLOCK_BYTES = 64 * 2**20
 """The largest block a rank draws at once (one row at least)."""
-
-_WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.")
-
-
-def canonical_name(name: str) -> str:
-    """The parameter's name in the unwrapped model (recomputation and compile wrappers removed)."""
-    for w in _WRAPPERS:
-        name = name.replace(w, "")
-    return name
 
 
 def block_rows(shape: torch.Size | tuple[int, ...], element_size: int) -> int:
@@ -69,12 +60,8 @@ def init_seeded(model: nn.Module, seed: int, rules: Mapping[str, InitRule]) -> N
 
 def init_tensor(t: torch.Tensor, seed: int, fqn: str, rule: InitRule) -> None:
     """Fill this rank's part of `t` (global shape `t.shape`) with the blocks of `fqn` that overlap it."""
-    if isinstance(t, DTensor):
-        local = t.to_local()
-        local_shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-        assert tuple(local.shape) == tuple(local_shape), (fqn, local.shape, local_shape)
-    else:
-        local, offset = t, (0,) * t.dim()
+    local, box = local_box(t)
+    offset = tuple(s.start for s in box)
     if local.numel() == 0:
         return
     if t.dim() == 0:
