@@ -14,7 +14,6 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any, Literal
 
-from titan_thd.config import sections
 from titan_thd.config.sections import Config
 
 
@@ -25,7 +24,7 @@ def section_types() -> dict[str, type]:
 def field_docs() -> dict[str, str]:
     """{"section.field": docstring} read from the string literal that follows each field."""
     # The docstrings of fields are not kept at run time: read them from the source of sections.py.
-    tree = ast.parse(Path(sections.__file__).read_text())
+    tree = ast.parse(Path(__file__).with_name("sections.py").read_text())
     classes = {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}
     docs: dict[str, str] = {}
     for section, cls in section_types().items():
