@@ -98,7 +98,8 @@ def layer_rows(ctx: Context) -> dict:
     from titan_thd.components.loss import cross_entropy_sum
     from titan_thd.data.batch_meta import BatchMeta
     from titan_thd.data.packer import pack_microbatch
-    from titan_thd.memory.activations import _Document, estimate
+    from titan_thd.data.sample import Sample
+    from titan_thd.memory.activations import estimate
 
     spec, args, tokens = flash_layers(ctx)
     dtype, dev = torch.bfloat16, ctx.device
@@ -112,7 +113,7 @@ def layer_rows(ctx: Context) -> dict:
     model.init_weights(0)
     model = model.to(dtype).train()
     g = torch.Generator().manual_seed(0)
-    doc = _Document(
+    doc = Sample(
         torch.randint(0, args.vocab_size, (tokens,), generator=g).numpy(), (torch.arange(tokens) > 0).numpy()
     )
     batch = pack_microbatch([doc], tokens, 1, 0)

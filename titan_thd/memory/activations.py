@@ -36,6 +36,7 @@ from titan_thd.components.loss import cross_entropy_sum
 from titan_thd.config import ActivationCheckpoint
 from titan_thd.data.batch_meta import BatchMeta
 from titan_thd.data.packer import pack_microbatch
+from titan_thd.data.sample import Sample
 from titan_thd.memory.state import size
 from titan_thd.models.spec import ModelSpec, count_params
 from titan_thd.parallel.recompute import observe_decisions
@@ -60,12 +61,6 @@ class SavedBytes:
     def of(self, layer_keys: list[str], first: bool, last: bool) -> float:
         """One stage's (or pipeline chunk's) bytes per microbatch."""
         return sum(self.layers[k] for k in layer_keys) + first * self.before + last * self.after
-
-
-@dataclasses.dataclass
-class _Document:
-    input_ids: np.ndarray
-    target_mask: np.ndarray
 
 
 Prepare = Callable[[nn.Module], nn.Module]
@@ -96,7 +91,7 @@ def measure(
     if prepare is not None:
         model = prepare(model)
     rng = np.random.default_rng(0)
-    doc = _Document(rng.integers(0, args.vocab_size, tokens), np.arange(tokens) > 0)
+    doc = Sample(rng.integers(0, args.vocab_size, tokens), np.arange(tokens) > 0)
     batch = pack_microbatch([doc], tokens, 1, 0)
     meta = BatchMeta.from_batch(batch)
 
@@ -230,7 +225,7 @@ class ActivationMemory:
 def loss_gradient_bytes(args: Any, tokens: int, dtype: torch.dtype) -> float:
     """ActivationMemory.loss_grad: cross-entropy's backward makes the gradient of the log-softmax and
     from it the gradient of the logits ([T, vocab] each, float32 at least: components/loss.py
-    upcasts), both alive at once (measured: components/live_memory.py)."""
+    upcasts), both alive at once (measured: memory/live.py)."""
     itemsize = torch.empty((), dtype=torch.promote_types(dtype, torch.float32)).element_size()
     return 2.0 * tokens * args.vocab_size * itemsize
 
