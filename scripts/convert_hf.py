@@ -17,10 +17,10 @@ a run folder / checkpoint folder for its newest step (titan_thd/inference/loadin
 checkpoint's model fingerprint against the config). The export then holds config.json (with the
 tokenizer's bos / eos / pad ids), the weights, tokenizer.json, tokenizer_config.json (with the chat
 template) and generation_config.json, so `generate` stops at the end of an assistant turn
-(titan_thd/models/hf_tokenizer.py).
+(titan_thd/models/hf/tokenizer.py).
 
 `to-hf` never builds the model: it streams the checkpoint's model entries a group at a time
-(titan_thd/models/hf_write.py) into safetensors files of at most `--max-shard-size` bytes (default
+(titan_thd/models/hf/write.py) into safetensors files of at most `--max-shard-size` bytes (default
 5GB, as transformers), `model.safetensors` alone or `model-0000K-of-0000N.safetensors` with
 `model.safetensors.index.json`; peak memory is about 1.25 files plus the largest tensor plus the
 process (docs/dsv4.md §17.3).
@@ -65,7 +65,7 @@ from titan_thd.inference.loading import (
     resolve_checkpoint,
 )
 from titan_thd.models import MODEL_NAMES, get_model_spec
-from titan_thd.models.hf_write import DEFAULT_MAX_SHARD_SIZE, DcpSource, parse_size
+from titan_thd.models.hf.write import DEFAULT_MAX_SHARD_SIZE, DcpSource, parse_size
 from titan_thd.parallel.fsdp import build_on_meta
 from titan_thd.startup import resolve_run
 

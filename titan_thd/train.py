@@ -55,7 +55,7 @@ from titan_thd.memory.dry_run import fake_step_fits
 from titan_thd.memory.live import available_host_bytes, log_peak_rss
 from titan_thd.memory.plan import MemoryPlan, refuse_beyond_host
 from titan_thd.models.compile import CompileClock
-from titan_thd.models.hf_tokenizer import write_tokenizer
+from titan_thd.models.hf.tokenizer import write_tokenizer
 from titan_thd.models.spec import ModelSpec
 from titan_thd.parallel import distributed as dist_utils
 from titan_thd.parallel.distributed import DistInfo

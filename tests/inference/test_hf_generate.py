@@ -149,7 +149,7 @@ def test_llama_exports_to_llama_for_causal_lm(tmp_path):
 def test_a_hugging_face_tokenizer_is_exported_with_the_tokens_the_trainer_added(tmp_path):
     from tests.data.test_tokenizer import _train_bpe
     from titan_thd.data.tokenizer import HFTokenizer
-    from titan_thd.models.hf_tokenizer import special_token_ids, write_tokenizer
+    from titan_thd.models.hf.tokenizer import special_token_ids, write_tokenizer
 
     ours = HFTokenizer(_train_bpe(tmp_path / "tokenizer.json", ["<s>", "</s>"]))
     assert "<|end|>" in ours.added_tokens  # the trainer's chat markers, after the original ids

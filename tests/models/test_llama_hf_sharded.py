@@ -1,4 +1,4 @@
-"""llama's HF load streams slices too (models/hf_io.py): a multi-file export (bounded files + index)
+"""llama's HF load streams slices too (models/hf/io.py): a multi-file export (bounded files + index)
 loads bitwise into a plain model, into a pipeline stage, and into TP-sharded DTensors on 2 gloo ranks;
 a misshaped tensor is one line naming the file, and nothing is written."""
 

@@ -104,7 +104,7 @@ class ModelSpec:
     export_hf: Callable[..., Any] | None = None
     """(source, args, out_dir, dtype=None, *, tokenizer, tokenizer_source, context, max_shard_size) ->
     out_dir: write a Hugging Face folder (config.json, safetensors files of at most max_shard_size
-    bytes + model.safetensors.index.json) streaming `source`, a models/hf_write.py `ModelSource` or
+    bytes + model.safetensors.index.json) streaming `source`, a models/hf/write.py `ModelSource` or
     `DcpSource` (our names -> tensors, loaded a group at a time); scripts/convert_hf.py to-hf. None =
     that model cannot be exported."""
     padded_forward: Callable[[nn.Module, torch.Tensor, list[int]], torch.Tensor] | None = None

@@ -19,7 +19,7 @@ import torch
 from tests.models.dsv4 import test_hf_fp8
 from titan_thd.models.dsv4.hf_config import hf_config_from_args
 from titan_thd.models.dsv4.hf_names import to_reference
-from titan_thd.models.hf_write import ShardedWriter
+from titan_thd.models.hf.write import ShardedWriter
 
 FP8_MAX = 448.0
 

@@ -1,4 +1,4 @@
-"""The sharded streaming HF load (models/hf_io.py, models/dsv4/hf_load.py) on a folder in the
+"""The sharded streaming HF load (models/hf/io.py, models/dsv4/hf_load.py) on a folder in the
 release's format (tests/models/dsv4/_release.py: several files, FP8 / FP4 with `.scale` names).
 
 - 1 process: the loader gives bitwise today's full load (every file read, dequantised whole, copied in);
@@ -29,7 +29,7 @@ from titan_thd.models.dsv4 import build_dsv4, load_hf_into
 from titan_thd.models.dsv4.hf_config import args_from_hf_config
 from titan_thd.models.dsv4.hf_dequant import check_quantization_config, dequantize_state
 from titan_thd.models.dsv4.hf_interop import load_state_dict_hf
-from titan_thd.models.hf_io import SafetensorsFolder
+from titan_thd.models.hf.io import SafetensorsFolder
 
 ARGS = micro()
 

@@ -19,7 +19,7 @@ import torch
 from titan_thd.config.jsonfile import read_json_object
 from titan_thd.models.dsv4.args import DSv4Args, flavors
 from titan_thd.models.dsv4.hf_dequant import check_quantization_config
-from titan_thd.models.hf_io import SafetensorsFolder
+from titan_thd.models.hf.io import SafetensorsFolder
 
 _HF_LAYER_TYPES = {
     "sliding_attention": "sliding",
@@ -164,7 +164,7 @@ def hf_config_from_args(
     args: DSv4Args, dtype: torch.dtype = torch.float32, token_ids: dict | None = None
 ) -> dict:
     """A transformers DeepseekV4Config dict describing `args`; `token_ids`: bos / eos / pad ids of the
-    tokenizer (models/hf_tokenizer.py; None = not known, written as null). max_position_embeddings
+    tokenizer (models/hf/tokenizer.py; None = not known, written as null). max_position_embeddings
     stays transformers' default: its YaRN code may read it, and our RoPE has no such limit."""
     compress = {
         "rope_type": "default",

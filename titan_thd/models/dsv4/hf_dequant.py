@@ -21,7 +21,7 @@ import logging
 
 import torch
 
-from titan_thd.models.hf_io import SafetensorsFolder, Source, Stored
+from titan_thd.models.hf.io import SafetensorsFolder, Source, Stored
 
 logger = logging.getLogger(__name__)
 

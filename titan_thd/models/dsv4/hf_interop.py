@@ -39,8 +39,8 @@ from titan_thd.models.dsv4.hf_names import (
     to_reference,
 )
 from titan_thd.models.dsv4.model import DSv4Model, build_dsv4
-from titan_thd.models.hf_tokenizer import special_token_ids, write_tokenizer
-from titan_thd.models.hf_write import DEFAULT_MAX_SHARD_SIZE, DcpSource, ModelSource, write_weights
+from titan_thd.models.hf.tokenizer import special_token_ids, write_tokenizer
+from titan_thd.models.hf.write import DEFAULT_MAX_SHARD_SIZE, DcpSource, ModelSource, write_weights
 
 logger = logging.getLogger(__name__)
 
@@ -132,12 +132,12 @@ def export_hf_from(
 ) -> Path:
     """Write config.json + safetensors files of at most `max_shard_size` bytes (reference names, with
     model.safetensors.index.json when there are several) that transformers can load, streaming
-    `source` (models/hf_write.py: our names -> tensors, a model's or a DCP checkpoint's) a group of
+    `source` (models/hf/write.py: our names -> tensors, a model's or a DCP checkpoint's) a group of
     tensors at a time; the spec's `export_hf`.
 
     With `tokenizer` (the run's; `tokenizer_source` its tokenizer.json path, if any) the folder also
     gets the tokenizer files and generation_config.json, and config.json its bos / eos / pad ids, so
-    that `generate` stops at the end of a turn (models/hf_tokenizer.py). `context`: the longest
+    that `generate` stops at the end of a turn (models/hf/tokenizer.py). `context`: the longest
     sequence trained (the tokenizer's model_max_length). With a process group only rank 0 writes
     (every rank gathers a model's DTensors)."""
     import torch.distributed as dist

@@ -5,7 +5,7 @@ plain (one process) or DTensors of any layout (FSDP / HSDP, TP, EP, EP x TP, a p
 modules), in place: from the folder's headers it plans how each of our tensors is made of stored
 ones (names mapped, per-expert tensors stacked, transformers' fused experts split, FP8 / FP4 weights
 paired with their scales), checks the plan against the full model that config.json describes (a
-meta copy: no memory), then every rank reads the box of each tensor it holds (models/hf_io.py),
+meta copy: no memory), then every rank reads the box of each tensor it holds (models/hf/io.py),
 dequantising only the scale blocks that box covers. The result is bitwise what reading the whole
 folder and copying it in gives (tests/models/dsv4/test_hf_sharded.py).
 
@@ -27,7 +27,7 @@ from titan_thd.models.dsv4.hf_config import check_hf
 from titan_thd.models.dsv4.hf_dequant import check_quantization_config, quantized_sources
 from titan_thd.models.dsv4.hf_names import stored_to_ours
 from titan_thd.models.dsv4.model import DSv4Model, build_dsv4
-from titan_thd.models.hf_io import (
+from titan_thd.models.hf.io import (
     LoadStats,
     Narrowed,
     Plain,

@@ -1,17 +1,18 @@
 """Read a Hugging Face safetensors folder slice by slice into a model's (possibly sharded) tensors.
 
-A family's loader (models/<name>/hf_*.py) says how each of its tensors is made of stored ones (a
-`Source`: one stored tensor, a stack of per-expert tensors, a part of a fused tensor, a dequantised
-pair); this module does the rest, identically for every parallel layout:
+A family's adapter (`HFAdapter.sources`, models/hf/adapter.py) says how each of its tensors is made
+of stored ones (a `Source`: one stored tensor, a stack of per-expert tensors, a part of a fused
+tensor, a dequantised pair); this module does the rest, identically for every parallel layout:
 
     folder = SafetensorsFolder(path)          # index + every header checked; no tensor data read
     load_sources(model, sources, folder)      # each rank reads only the slices it owns
 
 The model's tensors are plain (one process: the slice is the whole tensor) or DTensors of any
 placement DCP can save (FSDP / HSDP Shard(0), TP Shard(0|1), EP Shard(0), (Shard(0), Shard(k))):
-`compute_local_shape_and_global_offset` (the function DCP's planner uses) gives the box of the global
-tensor that this rank holds, and only that box is read (safetensors' `get_slice`). `folder.bytes_read`
-counts the bytes requested, so a test can check that a rank reads about its share.
+`parallel/shards.local_box` (through DCP's planner's `compute_local_shape_and_global_offset`) gives
+the box of the global tensor that this rank holds, and only that box is read (safetensors'
+`get_slice`). `folder.bytes_read` counts the bytes requested, so a test can check that a rank reads
+about its share.
 
 Bad input is found before anything is written: a file named in the index but missing, a file shorter
 than its header says (truncated), a header that is not JSON or names an unknown dtype (ValueError
@@ -23,7 +24,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import re
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -31,6 +31,8 @@ from pathlib import Path
 
 import torch
 from torch import nn
+
+from titan_thd.parallel.shards import canonical_name, local_box
 
 logger = logging.getLogger(__name__)
 
@@ -52,10 +54,6 @@ DTYPES = {
     "F8_E8M0": torch.float8_e8m0fnu,
 }
 """safetensors header dtype -> torch dtype (the ones a checkpoint of ours or DeepSeek's holds)."""
-
-# Wrappers whose module names torch inserts (activation checkpointing, torch.compile, FSDP1).
-_WRAPPERS = re.compile(r"(^|\.)(_checkpoint_wrapped_module|_orig_mod|_fsdp_wrapped_module)\.")
-
 
 @dataclass(frozen=True)
 class Stored:
@@ -215,26 +213,6 @@ class Narrowed(Source):
         return self.inner.read(folder, (*box[: self.dim], shifted, *box[self.dim + 1 :]))
 
 
-def clean_name(fqn: str) -> str:
-    """A state-dict key without the names wrappers insert (`_checkpoint_wrapped_module.` ...)."""
-    return _WRAPPERS.sub(r"\1", fqn)
-
-
-def local_box(t: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
-    """(this rank's local tensor, the box of the global tensor it holds) of a plain tensor (all of
-    it) or a DTensor (its placements' box, as DCP computes it)."""
-    from torch.distributed.tensor import DTensor
-
-    if not isinstance(t, DTensor):
-        return t, tuple(slice(0, n) for n in t.shape)
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-    local = t.to_local()
-    assert tuple(local.shape) == tuple(shape), (tuple(local.shape), shape, t.placements)
-    return local, tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
-
-
 @dataclass
 class LoadStats:
     tensors: int
@@ -279,7 +257,7 @@ def load_sources(model: nn.Module, sources: dict[str, Source], folder: Safetenso
     (call `check_fits` first: nothing here refuses input, so a refusal writes nothing)."""
     start, n = folder.bytes_read, 0
     for key, t in model.state_dict().items():
-        source = sources.get(clean_name(key))
+        source = sources.get(canonical_name(key))
         if source is None:
             continue
         local, box = local_box(t)

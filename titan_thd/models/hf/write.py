@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from titan_thd.models.hf_io import INDEX_FILE
+from titan_thd.models.hf.io import INDEX_FILE
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9
 """Bytes per safetensors file, transformers' default ("5GB")."""

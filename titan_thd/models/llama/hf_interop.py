@@ -27,9 +27,9 @@ import torch
 
 from titan_thd.config.jsonfile import read_json_object
 from titan_thd.data.tokenizer import Tokenizer
-from titan_thd.models.hf_io import LoadStats, Plain, SafetensorsFolder, check_fits, load_sources
-from titan_thd.models.hf_tokenizer import special_token_ids, write_tokenizer
-from titan_thd.models.hf_write import DEFAULT_MAX_SHARD_SIZE, DcpSource, ModelSource, write_weights
+from titan_thd.models.hf.io import LoadStats, Plain, SafetensorsFolder, check_fits, load_sources
+from titan_thd.models.hf.tokenizer import special_token_ids, write_tokenizer
+from titan_thd.models.hf.write import DEFAULT_MAX_SHARD_SIZE, DcpSource, ModelSource, write_weights
 from titan_thd.models.llama.args import LlamaArgs
 from titan_thd.models.llama.model import Llama, build_llama
 
@@ -136,9 +136,9 @@ def export_hf_from(
     context: int = 0,
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
 ) -> Path:
-    """Stream `source` (models/hf_write.py) into files of at most `max_shard_size` bytes (+ the index
+    """Stream `source` (models/hf/write.py) into files of at most `max_shard_size` bytes (+ the index
     when there are several) and config.json; with `tokenizer`, also its files, generation_config.json
-    and the bos / eos / pad ids (models/hf_tokenizer.py). The spec's `export_hf`."""
+    and the bos / eos / pad ids (models/hf/tokenizer.py). The spec's `export_hf`."""
     import torch.distributed as dist
 
     out = Path(out_dir)
@@ -194,7 +194,7 @@ def check_hf(args: LlamaArgs, path: str | Path, name: str = "the given args") ->
 
 def load_hf_into(model: Llama, path: str | Path) -> LoadStats:
     """Copy an HF LlamaForCausalLM folder's weights into `model` (plain or sharded tensors, or a
-    pipeline stage of it: each rank reads only its slices, models/hf_io.py); ValueError naming what
+    pipeline stage of it: each rank reads only its slices, models/hf/io.py); ValueError naming what
     does not fit, before anything is written."""
     check_hf(model.args, path)
     folder = SafetensorsFolder(path)
