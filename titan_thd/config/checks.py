@@ -55,6 +55,14 @@ def validate(cfg: Config) -> None:
         value = getattr(cfg.optimizer, key)
         if not 0.0 <= value < 1.0:
             raise ValueError(f"optimizer.{key}: got {value}, expected 0 <= value < 1")
+    if cfg.lora.enable:
+        positive("lora.rank", cfg.lora.rank)
+        positive("lora.alpha", cfg.lora.alpha)
+        if cfg.optimizer.name == "muon":
+            raise ValueError(
+                "optimizer.name = muon with lora.enable = true: adapters train with AdamW (Muon "
+                "orthogonalises whole matrices, not a rank-r factor); set optimizer.name = adamw"
+            )
     if not 1 <= cfg.optimizer.muon_ns_steps < 100:
         raise ValueError(f"optimizer.muon_ns_steps: got {cfg.optimizer.muon_ns_steps}, expected 1..99")
     if cfg.checkpoint.load_step < -1:

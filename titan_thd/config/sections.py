@@ -197,6 +197,28 @@ class LRScheduler:
 
 
 @dataclass
+class LoRA:
+    enable: bool = False
+    """Train low-rank adapters on the frozen model instead of every weight (docs/lora.md): the base gets
+    no gradient, no optimizer state and no gradient reduction; AdamW updates the adapters (optimizer.name
+    = muon is refused); checkpoints hold the adapters and their optimizer state, not the base."""
+    rank: int = 16
+    """Adapter rank r (at most the smaller side of every targeted matrix)."""
+    alpha: float = 32.0
+    """The update W + s * B @ A is scaled by s = alpha / rank (alpha / sqrt(rank) with lora.rslora)."""
+    rslora: bool = False
+    """Rank-stabilised scaling, s = alpha / sqrt(rank) (PEFT's use_rslora)."""
+    targets: tuple[str, ...] = ("attention",)
+    """What to adapt: groups or qualified targets of the model family, matched by exact path (the
+    indexer's and the compressors' projections are never adapted). dsv4: `attention` (attention.wq_a,
+    attention.wq_b, attention.wkv, attention.wo_b), `shared_expert` (shared_expert.w1, .w3, .w2),
+    `experts` (one adapter per routed expert: experts.w13, the fused gate / up with one A, and
+    experts.w2), and `attention.wo_a` (trains and merges; PEFT cannot apply it to transformers'
+    grouped o_a_proj, so `to-peft` refuses it). llama: `attention` (attention.wq, .wk, .wv, .wo),
+    `mlp` (mlp.w1, .w3, .w2)."""
+
+
+@dataclass
 class Parallelism:
     data_parallel_shard_degree: int = -1
     """FSDP degree; -1 = the processes left after the other degrees."""
@@ -343,6 +365,7 @@ class Config:
     data: Data = field(default_factory=Data)
     training: Training = field(default_factory=Training)
     optimizer: Optimizer = field(default_factory=Optimizer)
+    lora: LoRA = field(default_factory=LoRA)
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     parallelism: Parallelism = field(default_factory=Parallelism)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)

@@ -23,9 +23,9 @@ the local shapes, and the output is a partial sum over tp that the caller reduce
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from titan_thd.lora.layers import Linear, grouped_delta, linear_local
 from titan_thd.models.dsv4.args import DSv4Args
 from titan_thd.models.dsv4.compressor import Compressor
 from titan_thd.models.dsv4.context_parallel import gather_entries, with_left_halo
@@ -49,14 +49,14 @@ class Attention(nn.Module):
         # Queries per band block: L = block + W - 1 key slots per block, W of them used per query.
         self.block = args.window
         H, D = args.n_heads, args.head_dim
-        self.wq_a = nn.Linear(args.dim, args.q_lora_rank, bias=False)
+        self.wq_a = Linear(args.dim, args.q_lora_rank, bias=False)
         self.q_norm = RMSNorm(args.q_lora_rank, args.norm_eps)
-        self.wq_b = nn.Linear(args.q_lora_rank, H * D, bias=False)
-        self.wkv = nn.Linear(args.dim, D, bias=False)
+        self.wq_b = Linear(args.q_lora_rank, H * D, bias=False)
+        self.wkv = Linear(args.dim, D, bias=False)
         self.kv_norm = RMSNorm(D, args.norm_eps)
         # Block-diagonal: only the weight is used, viewed as [G, o_lora, H*D/G] (one matrix per group).
-        self.wo_a = nn.Linear(H * D // args.o_groups, args.o_groups * args.o_lora_rank, bias=False)
-        self.wo_b = nn.Linear(args.o_groups * args.o_lora_rank, args.dim, bias=False)
+        self.wo_a = Linear(H * D // args.o_groups, args.o_groups * args.o_lora_rank, bias=False)
+        self.wo_b = Linear(args.o_groups * args.o_lora_rank, args.dim, bias=False)
         self.attn_sink = nn.Parameter(torch.zeros(H))
         self.head_norm = rms_norm
         """Weightless per-head query norm; `apply_compile` swaps in its compiled form."""
@@ -125,7 +125,7 @@ class Attention(nn.Module):
         region (parallelize.apply_ac): its inputs are the query latent and the key rows, so the CP
         halo exchange that made them is not repeated."""
         T, D = cq_TQ.shape[0], self.head_dim
-        q_THD = F.linear(cq_TQ, local(self.wq_b.weight)).view(T, -1, D)
+        q_THD = linear_local(cq_TQ, self.wq_b).view(T, -1, D)
         q_THD = apply_rope(self.head_norm(q_THD, self.eps).to(cq_TQ.dtype), *rope_q)
         kv_RD = apply_rope(self.kv_norm(self.wkv(x_RD)), *rope_k)
         return q_THD, kv_RD
@@ -148,5 +148,8 @@ class Attention(nn.Module):
         )
         o_THD = apply_rope(o_THD, *rope_q, inverse=True)
         wo_a_GOI = wo_a.view(G, -1, H * D // G)
-        o_TGO = torch.einsum("tgi,goi->tgo", o_THD.reshape(T, G, -1), wo_a_GOI)
-        return F.linear(o_TGO.flatten(1), local(self.wo_b.weight)), lse_TH
+        o_TGI = o_THD.reshape(T, G, -1)
+        o_TGO = torch.einsum("tgi,goi->tgo", o_TGI, wo_a_GOI)
+        if (delta_TGO := grouped_delta(o_TGI, self.wo_a)) is not None:  # a LoRA adapter (lora/)
+            o_TGO = o_TGO + delta_TGO
+        return linear_local(o_TGO.flatten(1), self.wo_b), lse_TH

@@ -38,6 +38,7 @@ from titan_thd.models.dsv4.mtp import MTPBlock, mtp_inputs_targets
 from titan_thd.models.dsv4.norm import RMSNorm
 from titan_thd.models.dsv4.plans import get_plan
 from titan_thd.models.spec import ModelOutput, build_initialised
+from titan_thd.lora.targets import init_rules as adapter_init_rules
 from titan_thd.parallel.seeded_init import InitRule, init_seeded
 
 
@@ -109,7 +110,7 @@ class DSv4Model(nn.Module):
         `seed` None: drawn from the global RNG (a model built under `torch.manual_seed(s)`)."""
         if seed is None:
             seed = int(torch.randint(2**62, ()))
-        init_seeded(self, seed, self.init_rules())
+        init_seeded(self, seed, self.init_rules() | adapter_init_rules(self))
 
     def init_rules(self) -> dict[str, InitRule]:
         """{fqn: rule} of every parameter and buffer. Matrices N(0, init_std); norms 1; mHC base 0

@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from titan_thd.lora.layers import ExpertAdapters, Linear, expert_adapters, expert_delta, linear_local
 from titan_thd.models.dsv4.args import DSv4Args
 from titan_thd.ops.grouped_linear import grouped_linear
 from titan_thd.parallel.recompute import decided_once, in_recompute
@@ -45,16 +46,16 @@ class Expert(nn.Module):
     def __init__(self, dim: int, hidden: int, limit: float):
         super().__init__()
         self.limit = limit
-        self.w1 = nn.Linear(dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w1 = Linear(dim, hidden, bias=False)
+        self.w2 = Linear(hidden, dim, bias=False)
+        self.w3 = Linear(dim, hidden, bias=False)
         self.act = swiglu
         """`apply_compile` swaps in its compiled form (titan_thd/models/compile.py)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # local(): under tensor parallelism this rank's hidden columns (a partial output).
-        gate, up = F.linear(x, local(self.w1.weight)), F.linear(x, local(self.w3.weight))
-        return F.linear(self.act(gate, up, self.limit), local(self.w2.weight))
+        gate, up = linear_local(x, self.w1), linear_local(x, self.w3)
+        return linear_local(self.act(gate, up, self.limit), self.w2)
 
 
 def grouped_experts(
@@ -65,14 +66,24 @@ def grouped_experts(
     w3_EFD: torch.Tensor,
     limit: float,
     act=swiglu,
+    lora: ExpertAdapters | None = None,
 ) -> torch.Tensor:
     """Clamped SwiGLU of rows sorted by expert: rows [sum(counts[:e]), sum(counts[:e+1])) go
-    through expert e of the stacks; one grouped matrix product per projection."""
+    through expert e of the stacks; one grouped matrix product per projection. `lora`: the experts'
+    adapters (lora/layers.py), one per expert, added to each projection's product."""
     assert len(counts) == w1_EFD.shape[0] and sum(counts) == x_ND.shape[0], (counts, x_ND.shape)
     if x_ND.shape[0] == 0:  # nothing routed here: an empty result still in the graph (collectives)
         return x_ND * 0
     gate, up = grouped_linear(x_ND, counts, w1_EFD), grouped_linear(x_ND, counts, w3_EFD)
-    return grouped_linear(act(gate, up, limit), counts, w2_EDF)
+    if lora is not None and lora.A13_ERD is not None:  # w1 and w3 share A (PEFT's fused gate_up_proj)
+        xa_NR = grouped_linear(x_ND, counts, lora.A13_ERD)
+        gate = gate + grouped_linear(xa_NR, counts, lora.B1_EFR) * lora.scaling
+        up = up + grouped_linear(xa_NR, counts, lora.B3_EFR) * lora.scaling
+    h_NF = act(gate, up, limit)
+    out = grouped_linear(h_NF, counts, w2_EDF)
+    if lora is not None and lora.A2_ERF is not None:
+        out = out + expert_delta(h_NF, counts, lora.A2_ERF, lora.B2_EDR, lora.scaling)
+    return out
 
 
 def looped_experts(
@@ -112,7 +123,7 @@ class Experts(nn.Module):
     def forward(self, x_ND: torch.Tensor, counts: list[int], limit: float) -> torch.Tensor:
         # local(): this rank's experts (EP, Shard(0)) or hidden columns (TP, a partial output).
         w1, w2, w3 = local(self.w1), local(self.w2), local(self.w3)
-        return grouped_experts(x_ND, counts, w1, w2, w3, limit, self.act)
+        return grouped_experts(x_ND, counts, w1, w2, w3, limit, self.act, expert_adapters(self))
 
 
 class Gate(nn.Module):

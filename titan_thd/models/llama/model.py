@@ -24,10 +24,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from titan_thd.data.batch_meta import BatchMeta
+from titan_thd.lora.layers import Linear
 from titan_thd.models.llama.args import LlamaArgs
 from titan_thd.models.spec import ModelOutput, build_initialised
 from titan_thd.ops.rope import apply_rope, rope_cos_sin, rope_tables
 from titan_thd.ops.varlen_attention import VarlenAttention
+from titan_thd.lora.targets import init_rules as adapter_init_rules
 from titan_thd.parallel.seeded_init import InitRule, init_seeded
 
 
@@ -44,10 +46,10 @@ class Attention(nn.Module):
         super().__init__()
         self.head_dim = args.head_dim
         self.rope_theta = args.rope_theta
-        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
-        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
-        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.wq = Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.wk = Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wv = Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wo = Linear(args.n_heads * args.head_dim, args.dim, bias=False)
         self.inner_attention = build_inner_attention(args)
 
     def forward(self, x_TD: torch.Tensor, meta: BatchMeta | None) -> torch.Tensor:
@@ -85,9 +87,9 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 class FeedForward(nn.Module):
     def __init__(self, dim: int, hidden_dim: int):
         super().__init__()
-        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
-        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w1 = Linear(dim, hidden_dim, bias=False)
+        self.w2 = Linear(hidden_dim, dim, bias=False)
+        self.w3 = Linear(dim, hidden_dim, bias=False)
         self.act = swiglu
         """`apply_compile` swaps in its compiled form (titan_thd/models/compile.py)."""
 
@@ -134,7 +136,7 @@ class Llama(nn.Module):
         None: drawn from the global RNG (a model built under `torch.manual_seed(s)`)."""
         if seed is None:
             seed = int(torch.randint(2**62, ()))
-        init_seeded(self, seed, self.init_rules())
+        init_seeded(self, seed, self.init_rules() | adapter_init_rules(self))
 
     def init_rules(self) -> dict[str, InitRule]:
         """{fqn: rule} of every parameter: embeddings N(0, 1), norms 1, the projections into a block
