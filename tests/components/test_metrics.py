@@ -145,6 +145,29 @@ def test_peak_measured_once_and_shared_on_cpu(monkeypatch):
     assert M.peak_tflops_per_rank(Metrics(peak_tflops=7.0), torch.float32, cpu, local_world_size=4) == 7.0
 
 
+@pytest.mark.parametrize(
+    ("gpu", "peak"),
+    [
+        ("NVIDIA H100 80GB HBM3", 989.0),
+        ("NVIDIA H100 PCIe", 756.0),
+        ("NVIDIA H200", 989.0),
+        ("Mystery GPU", None),
+    ],
+)
+def test_gpu_peak_is_the_vendor_table(monkeypatch, gpu, peak):
+    """On CUDA the MFU divides by the GPU's dense bf16 peak (components/hardware.py's table, the
+    machine check's too); a GPU the table does not hold falls back to the measured matmul."""
+    monkeypatch.setattr(M.torch.cuda, "get_device_name", lambda device=None: gpu)
+    monkeypatch.setattr(M, "measure_matmul_tflops", lambda dtype, device: 123.0)
+    cuda = torch.device("cuda", 0)
+    assert M.hardware.gpu_peak_tflops(cuda) == (gpu, peak)
+    expected = peak if peak is not None else 123.0
+    assert M.peak_tflops_per_rank(Metrics(), torch.float32, cuda, local_world_size=8) == expected
+    assert M.peak_tflops_per_rank(Metrics(peak_tflops=7.0), torch.bfloat16, cuda, local_world_size=8) == 7.0
+    source = M.peak_source(Metrics(), cuda)
+    assert (gpu in source) == (peak is not None) and ("measured" in source) == (peak is None)
+
+
 def _lines(path):
     return path.read_bytes().split(b"\n")
 

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from titan_thd.check.steps import Context, Outcome, Step
+from titan_thd.components.hardware import gpu_peak_tflops
 
 ROOT = Path(__file__).resolve().parents[2]
 FP32_BOUND = 1e-4
@@ -43,27 +44,6 @@ CPU_SCALE = (  # seconds, not minutes: mock documents (no tokenising), 2 microba
     "--data.source", "mock", "--data.num_samples", "16", "--data.mock_config", MOCK,
     "--training.global_batch_size", "2", "--training.tokens_per_microbatch", "256",
 )  # fmt: skip
-PEAK_BF16_TFLOPS = {  # dense bf16 tensor-core peak per GPU (vendor data sheets, no sparsity)
-    "H200": 989.0,
-    "H100 SXM": 989.0,
-    "H100 80GB HBM3": 989.0,
-    "H100 NVL": 835.0,
-    "H100 PCIe": 756.0,
-    "H100": 756.0,  # an H100 the name does not place: the PCIe card, the lowest
-    "GH200": 989.0,
-    "B200": 2250.0,
-    "A100": 312.0,
-    "L40S": 362.0,
-    "A10G": 70.0,
-    "L4": 121.0,
-}
-
-
-def peak_tflops(device: torch.device) -> tuple[str, float | None]:
-    """(the GPU's name, its dense bf16 peak from PEAK_BF16_TFLOPS: the longest key its name contains)."""
-    name = torch.cuda.get_device_name(device)
-    hits = [k for k in PEAK_BF16_TFLOPS if k in name]
-    return name, PEAK_BF16_TFLOPS[max(hits, key=len)] if hits else None
 
 
 @dataclass
@@ -179,7 +159,7 @@ def throughput_step(model: str) -> Step:
             return Outcome(
                 "PASS", f"{r.tps:,.0f} tokens/s on the CPU (MFU and device memory: needs CUDA)", details
             )
-        name, peak = peak_tflops(ctx.device)
+        name, peak = gpu_peak_tflops(ctx.device)
         mfu = f"MFU {100 * r.tflops / peak:.1f}% of {peak:.0f} TFLOP/s" if peak else "MFU: peak unknown"
         ratio = r.peak_bytes / r.estimate_bytes if r.estimate_bytes else float("nan")
         details |= {

@@ -26,6 +26,22 @@ import torch
 
 _NATIVE_BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
 
+PEAK_BF16_TFLOPS = {  # dense bf16 tensor-core peak per GPU (vendor data sheets, no sparsity)
+    "H200": 989.0,
+    "H100 SXM": 989.0,
+    "H100 80GB HBM3": 989.0,
+    "H100 NVL": 835.0,
+    "H100 PCIe": 756.0,
+    "H100": 756.0,  # an H100 the name does not place: the PCIe card, the lowest
+    "GH200": 989.0,
+    "B200": 2250.0,
+    "A100": 312.0,
+    "L40S": 362.0,
+    "A10G": 70.0,
+    "L4": 121.0,
+}
+"""The MFU peak of a GPU (train's metrics and the machine check), whatever the compute dtype."""
+
 
 @dataclass(frozen=True)
 class Hardware:
@@ -78,6 +94,14 @@ def detect(device: torch.device) -> Hardware:
         and capability not in ("DEFAULT", "AVX2")
     )
     return Hardware(device=f"cpu ({cpu_model_name()})", capability=capability, native_bf16_matmul=native)
+
+
+def gpu_peak_tflops(device: torch.device) -> tuple[str, float | None]:
+    """(the GPU's name, its dense bf16 peak from PEAK_BF16_TFLOPS: the longest key its name contains;
+    None for a GPU the table does not hold)."""
+    name = torch.cuda.get_device_name(device)
+    hits = [k for k in PEAK_BF16_TFLOPS if k in name]
+    return name, PEAK_BF16_TFLOPS[max(hits, key=len)] if hits else None
 
 
 def muon_ns_dtype(choice: str, hw: Hardware, param_dtype: torch.dtype) -> str:

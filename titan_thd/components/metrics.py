@@ -9,8 +9,9 @@ Definitions (docs/design.md §3.6). Token counts are global (all data-parallel r
     padding_frac  1 - tokens_real / tokens_slots (slots = the rows computed: microbatches x T x
                   data-parallel degree, fewer with data.trim_padding)
     tflops        model FLOPs per second per rank (attention from real document lengths)
-    mfu           tflops as a percentage of one rank's peak: `metrics.peak_tflops`, or a measured
-                  matmul peak of the compute dtype divided by the ranks that share a CPU
+    mfu           tflops as a percentage of one rank's peak: `metrics.peak_tflops`, else a GPU's
+                  dense bf16 peak (components/hardware.py's table), else a measured matmul peak of
+                  the compute dtype (on a CPU divided by the ranks that share it)
     imbalance     slowest replica's planner cost / mean cost (1.0 = perfectly balanced)
     step_time     seconds of this step; wall_time: seconds since training started
     time/<phase>  seconds of the step's phases (sum = step_time up to the logging in between):
@@ -38,6 +39,7 @@ from typing import Any
 
 import torch
 
+from titan_thd.components import hardware
 from titan_thd.components.run_settings import write_run_file
 from titan_thd.config import Metrics as MetricsConfig
 from titan_thd.data.dataloader import StepBatch
@@ -92,11 +94,25 @@ def measure_matmul_tflops(dtype: torch.dtype, device: torch.device, seconds: flo
 def peak_tflops_per_rank(
     cfg: MetricsConfig, dtype: torch.dtype, device: torch.device, local_world_size: int
 ) -> float:
-    """MFU denominator of one rank: the configured peak, else the measured one (CPU: shared)."""
+    """MFU denominator of one rank: the configured peak, else a GPU's dense bf16 peak from
+    `hardware.PEAK_BF16_TFLOPS`, else the measured matmul peak (CPU: shared by its ranks)."""
     if cfg.peak_tflops > 0:
         return cfg.peak_tflops
+    if device.type == "cuda" and (table := hardware.gpu_peak_tflops(device)[1]) is not None:
+        return table
     peak = measure_matmul_tflops(dtype, device)
     return peak / local_world_size if device.type == "cpu" else peak
+
+
+def peak_source(cfg: MetricsConfig, device: torch.device) -> str:
+    """Where `peak_tflops_per_rank` takes the peak from, for the run header."""
+    if cfg.peak_tflops > 0:
+        return "metrics.peak_tflops"
+    if device.type == "cuda":
+        name, table = hardware.gpu_peak_tflops(device)
+        if table is not None:
+            return f"dense bf16 peak of the {name}, vendor data sheet"
+    return "measured matmul peak"
 
 
 def step_record(

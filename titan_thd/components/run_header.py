@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from titan_thd.components import hardware
+from titan_thd.components.metrics import peak_source
 from titan_thd.components.muon import Muon
 from titan_thd.components.precision import Precision, precision_warnings
 from titan_thd.components.run_settings import data_description
@@ -96,6 +97,5 @@ def header_lines(
             f"data-parallel replicas: at least {d.dp - c.training.global_batch_size} replicas train on "
             "padding only every step"
         )
-    source = "metrics.peak_tflops" if c.metrics.peak_tflops else "measured matmul peak"
-    lines.append(f"MFU peak {peak_tflops:.3f} TFLOP/s per rank ({source})")
+    lines.append(f"MFU peak {peak_tflops:.3f} TFLOP/s per rank ({peak_source(c.metrics, device)})")
     return lines
