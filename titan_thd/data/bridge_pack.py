@@ -40,28 +40,10 @@ def is_bridge_pack(path: Path) -> bool:
 
 
 def _read_parquet(path: Path) -> tuple[np.ndarray, ...]:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+    from titan_thd.data.packed_dataset import flat_list_column, read_list_table
 
-    from titan_thd.data.packed_dataset import _flat
-
-    try:
-        table = pq.read_table(path)
-    except (OSError, pa.ArrowException) as e:
-        raise ValueError(f"{path}: cannot read parquet: {e}") from None
-    missing = [c for c in BRIDGE_COLUMNS if c not in table.column_names]
-    if missing:
-        raise ValueError(
-            f"{path}: columns {missing} missing (found {table.column_names}); a Megatron-Bridge pack has "
-            f"{list(BRIDGE_COLUMNS)}"
-        )
-    for c in BRIDGE_COLUMNS:
-        typ = table.schema.field(c).type
-        if not pa.types.is_list(typ) or not (
-            pa.types.is_integer(typ.value_type) or pa.types.is_boolean(typ.value_type)
-        ):
-            raise ValueError(f"{path}: column {c!r} has type {typ}, expected a list of integers")
-    return tuple(x for c in BRIDGE_COLUMNS for x in _flat(table.column(c)))
+    table = read_list_table(path, BRIDGE_COLUMNS, f"a Megatron-Bridge pack has {list(BRIDGE_COLUMNS)}")
+    return tuple(x for c in BRIDGE_COLUMNS for x in flat_list_column(table.column(c)))
 
 
 def _read_npy(path: Path) -> tuple[np.ndarray, ...]:

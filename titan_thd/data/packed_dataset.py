@@ -146,7 +146,7 @@ def write_packed(
 
 
 # ============================================================================ reading
-def _flat(column: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
+def flat_list_column(column: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
     """(values, int64 offsets [rows + 1]) of a list column, across its chunks."""
     values, offsets, base = [], [np.zeros(1, np.int64)], 0
     for chunk in column.chunks:
@@ -155,6 +155,25 @@ def _flat(column: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
         offsets.append(off[1:] - off[0] + base)
         base += int(off[-1] - off[0])
     return (np.concatenate(values) if values else np.zeros(0)), np.concatenate(offsets)
+
+
+def read_list_table(path: Path, columns: tuple[str, ...], expected: str) -> pa.Table:
+    """The parquet table at `path`, refused in one ValueError unless each of `columns` is in it and is
+    a list of integers or booleans (`expected`: what the missing-columns message says is wanted)."""
+    try:
+        table = pq.read_table(path)
+    except (OSError, pa.ArrowException) as e:
+        raise ValueError(f"{path}: cannot read parquet: {e}") from None
+    missing = [c for c in columns if c not in table.column_names]
+    if missing:
+        raise ValueError(f"{path}: columns {missing} missing (found {table.column_names}); {expected}")
+    for c in columns:
+        typ = table.schema.field(c).type
+        if not pa.types.is_list(typ) or not (
+            pa.types.is_integer(typ.value_type) or pa.types.is_boolean(typ.value_type)
+        ):
+            raise ValueError(f"{path}: column {c!r} has type {typ}, expected a list of integers / booleans")
+    return table
 
 
 class PackedRows:
@@ -187,9 +206,9 @@ class PackedRows:
 
     @classmethod
     def from_table(cls, folder: Path, metadata: dict, table: pa.Table) -> PackedRows:
-        ids, tok_off = _flat(table.column("input_ids"))
-        mask, mask_off = _flat(table.column("target_mask"))
-        doc_len, doc_off = _flat(table.column("doc_lengths"))
+        ids, tok_off = flat_list_column(table.column("input_ids"))
+        mask, mask_off = flat_list_column(table.column("target_mask"))
+        doc_len, doc_off = flat_list_column(table.column("doc_lengths"))
         return cls(folder, metadata, ids, mask, tok_off, doc_len, doc_off, mask_off)
 
     @property
@@ -275,23 +294,7 @@ def open_packed(path: str | Path, pad_to_multiple: int = 1) -> PackedRows:
             f"{meta_path}: documents were padded to a multiple of {metadata['pad_to_multiple']}, which is not a "
             f"multiple of data.pad_to_multiple = {pad_to_multiple}; repack with --pad-to-multiple {pad_to_multiple}"
         )
-    try:
-        table = pq.read_table(rows_path)
-    except (OSError, pa.ArrowException) as e:
-        raise ValueError(f"{rows_path}: cannot read parquet: {e}") from None
-    missing = [c for c in _ROW_COLUMNS if c not in table.column_names]
-    if missing:
-        raise ValueError(
-            f"{rows_path}: columns {missing} missing (found {table.column_names}); expected {list(_ROW_COLUMNS)}"
-        )
-    for c in _ROW_COLUMNS:
-        typ = table.schema.field(c).type
-        if not pa.types.is_list(typ) or not (
-            pa.types.is_integer(typ.value_type) or pa.types.is_boolean(typ.value_type)
-        ):
-            raise ValueError(
-                f"{rows_path}: column {c!r} has type {typ}, expected a list of integers / booleans"
-            )
+    table = read_list_table(rows_path, _ROW_COLUMNS, f"expected {list(_ROW_COLUMNS)}")
     rows = PackedRows.from_table(folder, metadata, table)
     rows.check(rows_path)
     return rows
