@@ -37,6 +37,9 @@ from titan_thd.parallel.tensor_parallel import local
 
 SCALING = "lora_scaling"
 """Attribute of an adapted module: s, the factor of its update."""
+PAIRS = "lora_pairs"
+"""Attribute of an adapted module: {base parameter: (A's name, B's name)}. The parallelisms read it
+(`tensor_parallel.ShardedLocal`, `expert_parallel.apply_ep`) to shard each adapter by its base's rule."""
 
 
 class Linear(nn.Linear):

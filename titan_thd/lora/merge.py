@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from titan_thd.lora.layers import SCALING
+from titan_thd.lora.layers import PAIRS, SCALING
 from titan_thd.lora.targets import adapter_names, is_adapter
 
 # Our adapter tensor's last name -> (base parameter it updates, A's name, B's name).
@@ -57,6 +57,7 @@ def merge_(model: nn.Module) -> int:
         for name in [n for n, _ in module.named_parameters(recurse=False) if is_adapter(n)]:
             del module._parameters[name]
         delattr(module, SCALING)
+        delattr(module, PAIRS)
     for p in model.parameters():
         p.requires_grad_(True)
     return changed

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from titan_thd.lora.layers import SCALING, scaling
+from titan_thd.lora.layers import PAIRS, SCALING, scaling
 from titan_thd.parallel.seeded_init import init_tensor
 from titan_thd.parallel.shards import canonical_name
 
@@ -79,8 +79,7 @@ _EXPERTS = {
 
 def adapter_names(module: nn.Module) -> dict[str, tuple[str, str]]:
     """{base parameter: (A, B)} of the adapters attached to `module` (empty when it has none)."""
-    pairs = _LINEAR if isinstance(module, nn.Linear) else _EXPERTS
-    return {base: ab for base, ab in pairs.items() if module._parameters.get(ab[0]) is not None}
+    return getattr(module, PAIRS, {})
 
 
 def is_adapter(name: str) -> bool:
@@ -167,6 +166,7 @@ def attach(model: nn.Module, plan: LoRAPlan) -> list[str]:
                     module.register_parameter(a_name, nn.Parameter(A))
                 B = torch.empty(*lead, out, plan.rank, device=w.device, dtype=w.dtype)
                 module.register_parameter(b_name, nn.Parameter(B))
+                setattr(module, PAIRS, adapter_names(module) | {p: (a_name, b_name)})
             setattr(module, SCALING, plan.scaling)
             adapted.append(f"{where}.{target.module}")
     for name, p in model.named_parameters():

@@ -39,8 +39,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import ParallelStyle
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from titan_thd.parallel.cp_comm import all_gather_rows
 
@@ -116,14 +116,29 @@ class GatherRows(ParallelStyle):
 class ShardedLocal(ParallelStyle):
     """Split the module's `weight` over tp on `dim` (0: output features, 1: input features), or
     each named parameter on its dim (`{name: dim}`: stacked experts); the model multiplies with
-    `local(weight)` inside a GatherRows region (no communication here)."""
+    `local(weight)` inside a GatherRows region (no communication here).
+
+    A LoRA adapter (lora/layers.py, the module's `lora_pairs`) follows its base: a split of the
+    output rows splits B [.., out, r] on the same dim, a split of the input columns splits A
+    [.., r, in]; the other factor stays whole on every rank, with a partial gradient over tp."""
 
     def __init__(self, dim: int | dict[str, int]):
         super().__init__()
         self.dims = dim if isinstance(dim, dict) else {"weight": dim}
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        _shard_params(module, device_mesh, self.dims)
+        pairs: dict[str, tuple[str, str]] = getattr(module, "lora_pairs", {})
+        dims = dict(self.dims)
+        for base, dim in self.dims.items():
+            if base in pairs:
+                out_dim = module.get_parameter(base).dim() - 2
+                a_name, b_name = pairs[base]
+                dims[b_name if dim == out_dim else a_name] = dim
+        _shard_params(module, device_mesh, dims)
+        for a_name, b_name in pairs.values():
+            for name in (a_name, b_name):
+                if name not in dims:
+                    setattr(module.get_parameter(name), _PARTIAL, True)
         return module
 
 
@@ -220,3 +235,31 @@ def reduce_replicated_grads(model: nn.Module) -> None:
         dist.all_reduce(flat, group=group)
         for g, part in zip(grads, flat.split([g.numel() for g in grads])):
             g.copy_(part.view_as(g))
+
+
+def _redistribute(module: nn.Module, placements: dict[str, Shard | Replicate], mesh: DeviceMesh, src) -> None:
+    for name, placement in placements.items():
+        p = module.get_parameter(name)
+        t = distribute_tensor(p.data, mesh, [placement], src_data_rank=src)
+        module.register_parameter(name, nn.Parameter(t, requires_grad=p.requires_grad))
+
+
+class ColwiseWithAdapter(ColwiseParallel):
+    """torch's ColwiseParallel whose LoRA adapter (lora/layers.py) follows the base: B [out, r] split
+    on its output rows with the weight, A [r, in] whole on every rank (torch's style would split every
+    parameter of the module on dim 0, A's rank too)."""
+
+    def _partition_linear_fn(self, name, module, device_mesh):
+        placements = {n: Replicate() if n == "lora_A" else Shard(0) for n, _ in module.named_parameters()}
+        _redistribute(module, placements, device_mesh, self.src_data_rank)
+
+
+class RowwiseWithAdapter(RowwiseParallel):
+    """torch's RowwiseParallel whose LoRA adapter follows the base: A [r, in] split on its input
+    columns with the weight, B [out, r] whole on every rank."""
+
+    def _partition_linear_fn(self, name, module, device_mesh):
+        super()._partition_linear_fn(name, module, device_mesh)
+        if module._parameters.get("lora_A") is not None:
+            placements = {"lora_A": Shard(1), "lora_B": Replicate()}
+            _redistribute(module, placements, device_mesh, self.src_data_rank)

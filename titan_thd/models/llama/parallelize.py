@@ -25,7 +25,7 @@ from titan_thd.models.llama.model import FeedForward, Llama, swiglu
 from titan_thd.parallel.activation_checkpoint import blocks_to_wrap
 from titan_thd.parallel.parallel_dims import ParallelDims
 from titan_thd.parallel.recompute import checkpoint_module
-from titan_thd.parallel.tensor_parallel import present
+from titan_thd.parallel.tensor_parallel import ColwiseWithAdapter, RowwiseWithAdapter, present
 
 
 def parallelize_llama(
@@ -101,17 +101,17 @@ def tp_plan(model: Llama) -> dict[str, ParallelStyle]:
             f"layers.{name}.attention": PrepareModuleInput(
                 input_layouts=(Shard(0), None), desired_input_layouts=(Replicate(), None)
             ),
-            f"layers.{name}.attention.wq": ColwiseParallel(),
-            f"layers.{name}.attention.wk": ColwiseParallel(),
-            f"layers.{name}.attention.wv": ColwiseParallel(),
-            f"layers.{name}.attention.wo": RowwiseParallel(output_layouts=Shard(0)),
+            f"layers.{name}.attention.wq": ColwiseWithAdapter(),
+            f"layers.{name}.attention.wk": ColwiseWithAdapter(),
+            f"layers.{name}.attention.wv": ColwiseWithAdapter(),
+            f"layers.{name}.attention.wo": RowwiseWithAdapter(output_layouts=Shard(0)),
             f"layers.{name}.ffn_norm": SequenceParallel(sequence_dim=0),
             f"layers.{name}.feed_forward": PrepareModuleInput(
                 input_layouts=(Shard(0),), desired_input_layouts=(Replicate(),)
             ),
-            f"layers.{name}.feed_forward.w1": ColwiseParallel(),
-            f"layers.{name}.feed_forward.w3": ColwiseParallel(),
-            f"layers.{name}.feed_forward.w2": RowwiseParallel(output_layouts=Shard(0)),
+            f"layers.{name}.feed_forward.w1": ColwiseWithAdapter(),
+            f"layers.{name}.feed_forward.w3": ColwiseWithAdapter(),
+            f"layers.{name}.feed_forward.w2": RowwiseWithAdapter(output_layouts=Shard(0)),
         }
     return plan
 
