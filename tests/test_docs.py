@@ -10,7 +10,10 @@ old design file) and a `§` or `pitfall N` without a docs/ file are errors.
 
 from __future__ import annotations
 
+import ast
+import io
 import re
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -221,3 +224,82 @@ def test_checker_accepts_valid_pointers(tmp_path, code):
 def test_checker_reports_bad_pointers(tmp_path, code, message):
     problems, _, _ = check_repository(_fake_repo(tmp_path, code))
     assert any(message in p for p in problems), problems
+
+
+# A repository path in the package's prose: segments joined by `/`, ending in a file name with a known
+# extension. Not a path: globs (`tests/*.py`), placeholders (`models/<family>/decode.py`,
+# `{folder}/x.json`, `train_configs/X.toml`), URLs and absolute paths (`/proc/cpuinfo`), dotted names
+# (`parallel/shards.local_box`).
+_EXTENSIONS = "py|md|sh|toml|txt|json|jsonl|gz|sbatch|yaml|yml|parquet|npy|safetensors"
+PROSE_PATH = re.compile(
+    rf"(?:(?<=\./)|(?<![\w/.<>{{}}*$~@:%-]))(?:[\w.-]+/)+[\w.-]*?\.(?:{_EXTENSIONS})(?!\.?[\w/*<>{{}}-])"
+)
+PLACEHOLDER = re.compile(r"(?:^|/)[A-Z](?:\.|/|$)")
+
+
+def prose(path: Path) -> list[tuple[int, str]]:
+    """(line, text) of every docstring (also an attribute's: a string statement) and comment of `path`."""
+    src = path.read_text()
+    out = [
+        (node.lineno, node.value.value)
+        for node in ast.walk(ast.parse(src, filename=str(path)))
+        if isinstance(node, ast.Expr)
+        and isinstance(node.value, ast.Constant)
+        and isinstance(node.value.value, str)
+    ]
+    tokens = tokenize.generate_tokens(io.StringIO(src).readline)
+    return out + [(t.start[0], t.string) for t in tokens if t.type == tokenize.COMMENT]
+
+
+def package_paths(root: Path) -> tuple[list[str], int]:
+    """(paths named in titan_thd/'s docstrings and comments that do not exist, paths checked). A path is
+    looked up from the repository root, from titan_thd/ and from the folders between the file and
+    titan_thd/, wherever its first folder exists; one whose first folder exists nowhere (`out_dir/...`,
+    a run folder's files) is not a repository path."""
+    package, missing, count = root / "titan_thd", [], 0
+    for path in sorted(package.rglob("*.py")):
+        bases = [root, package, *(p for p in path.parents if p.is_relative_to(package) and p != package)]
+        for line, text in prose(path):
+            for m in PROSE_PATH.finditer(text):
+                rel = m.group(0)
+                found = [b for b in bases if (b / rel.split("/")[0]).is_dir()]
+                if not found or PLACEHOLDER.search(rel):
+                    continue
+                count += 1
+                if not any((b / rel).exists() for b in found):
+                    at = line + text.count("\n", 0, m.start())
+                    missing.append(f"{path.relative_to(root)}:{at}: {rel} does not exist")
+    return missing, count
+
+
+def test_every_path_in_the_package_prose_exists():
+    """A file the package's docstrings or comments name exists (a moved or renamed file leaves no stale
+    pointer in the code)."""
+    missing, count = package_paths(ROOT)
+    assert not missing, "\n".join(missing)
+    assert count >= 50, f"only {count} paths found: the scan looks in the wrong places"
+
+
+def test_package_path_checker(tmp_path):
+    (tmp_path / "titan_thd" / "sub").mkdir(parents=True)
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_a.py").write_text("")
+    (tmp_path / "titan_thd" / "sub" / "here.py").write_text("")
+    code = (
+        '"""Tested in tests/test_a.py and tests/test_gone.py; see sub/here.py, ./sub/here.py and sub/old.py.\n\n'
+        "Not paths: tests/*.py, sub/<name>/x.py, {out}/meta.json, train_configs/X.toml, /proc/cpuinfo,\n"
+        'https://example.com/sub/x.py, sub/here.local_box, out_dir/rows.parquet."""\n\n'
+        'X = 1\n"""An attribute docstring naming tests/missing.py."""\n'
+        "y = 2  # a comment naming sub/here.py and docs/gone.md\n"
+        'z = "a string that is no docstring: tests/not_prose.py"\n'
+    )
+    (tmp_path / "titan_thd" / "mod.py").write_text(code)
+    (tmp_path / "docs").mkdir()
+    missing, count = package_paths(tmp_path)
+    assert [m.split(": ", 1) for m in missing] == [
+        ["titan_thd/mod.py:1", "tests/test_gone.py does not exist"],
+        ["titan_thd/mod.py:1", "sub/old.py does not exist"],
+        ["titan_thd/mod.py:7", "tests/missing.py does not exist"],
+        ["titan_thd/mod.py:8", "docs/gone.md does not exist"],
+    ]
+    assert count == 8

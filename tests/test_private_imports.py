@@ -59,7 +59,8 @@ def test_checker_finds_private_imports(tmp_path):
         "titan_thd/a.py": "from titan_thd.b import public, _hidden\n",
         "titan_thd/c.py": "def f():\n    from .b import _lazy\n",
         "titan_thd/d.py": "import titan_thd._impl\nfrom torch.distributed.tensor._utils import x\n",
-        "scripts/s.py": "from titan_thd.b import (\n    ok,\n    _too,\n)\nfrom torch.x import _StridedShard\n",
+        "scripts/"
+        + "s.py": "from titan_thd.b import (\n    ok,\n    _too,\n)\nfrom torch.x import _StridedShard\n",
         "titan_thd/e.py": "from __future__ import annotations\nfrom titan_thd import __version__\n",
     }
     for rel, text in files.items():
