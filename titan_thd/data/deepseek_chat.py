@@ -82,11 +82,6 @@ def segments(messages: list[dict]) -> list[tuple[str, bool, bool]]:
     return [s for s in out if s[0]]
 
 
-def render(messages: list[dict]) -> str:
-    """The format as text (special tokens spelled out)."""
-    return "".join(text for text, _, _ in segments(messages))
-
-
 def _encode(tok, messages: list[dict]) -> tuple[list[int], list[bool]]:
     ids: list[int] = []
     trained: list[bool] = []

@@ -29,7 +29,7 @@ of the gathered buffer. Entry ids seen by queries (start_T, top-k, visibility) s
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -66,19 +66,12 @@ class CompressPlan:
     """Rows each CP rank contributes to the entry all-gather (0 without CP)."""
     gather_C: torch.Tensor | None = None
     """[num_entries] row of the all-gathered buffer holding each entry (None without CP)."""
-    _visible: torch.Tensor | None = field(default=None, repr=False)
 
     def visible(self, lo: int = 0, hi: int | None = None) -> torch.Tensor:
         """[hi-lo, max_entries] entries visible to rows lo..hi (-1 for unused slots)."""
         start, n_vis = self.start_T[lo:hi], self.n_vis_T[lo:hi]
         slot_K = torch.arange(self.max_entries, device=start.device)
         return torch.where(slot_K < n_vis[:, None], start[:, None] + slot_K, -1)
-
-    def visible_all(self) -> torch.Tensor:
-        """`visible()` of every row, kept (HCA layers all use it)."""
-        if self._visible is None:
-            self._visible = self.visible()
-        return self._visible
 
 
 @dataclass
