@@ -64,7 +64,7 @@ from titan_thd.inference.loading import (
     one_line,
     resolve_checkpoint,
 )
-from titan_thd.models import MODEL_NAMES, get_model_spec
+from titan_thd.models import MODEL_NAMES, get_model_spec, hf
 from titan_thd.models.hf.write import DEFAULT_MAX_SHARD_SIZE, DcpSource, parse_size
 from titan_thd.parallel.fsdp import build_on_meta
 from titan_thd.startup import resolve_run
@@ -77,10 +77,10 @@ def hf_family(hf_dir: Path):
     errors = []
     for name in MODEL_NAMES:
         spec = get_model_spec(name)
-        if spec.hf_args is None:
+        if spec.hf is None:
             continue
         try:
-            return spec, spec.hf_args(str(hf_dir))
+            return spec, hf.folder_args(spec, str(hf_dir))
         except ValueError as e:
             errors.append(f"{name}: {one_line(e)}")
     raise ValueError(f"{hf_dir}: no model family reads this config.json ({'; '.join(errors)})")
@@ -91,11 +91,11 @@ def to_dcp(hf_dir: Path, out: Path, flavor: str | None) -> None:
     if flavor is not None:
         if flavor not in spec.flavors:
             raise ValueError(f"--flavor {flavor!r}: expected one of {list(spec.flavors)} ({spec.name})")
-        spec.check_hf(spec.flavors[flavor], str(hf_dir), f"flavor {flavor!r}")
+        hf.check(spec, spec.flavors[flavor], str(hf_dir), f"flavor {flavor!r}")
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"{out} exists and is not empty")
     model = spec.build(args)  # initialised: what the folder lacks (transformers writes no MTP) keeps it
-    spec.init_from_hf(model, str(hf_dir))
+    hf.load_into(spec, model, str(hf_dir))
     out.mkdir(parents=True, exist_ok=True)
     with warnings.catch_warnings():  # DCP warns that no process group exists: one writer is intended
         warnings.simplefilter("ignore")
@@ -111,12 +111,12 @@ def run_to_hf(
     the checkpoint's model entries a group at a time (the model is never built)."""
     cfg = inference_config(config_argv(config) + overrides)
     run = resolve_run(cfg, 1)
-    if run.spec.export_hf is None:
+    if run.spec.hf is None:
         raise ValueError(f"model {cfg.model.name} has no Hugging Face export (its ModelSpec.export_hf)")
     step_dir = resolve_checkpoint(src, cfg.checkpoint.folder)
     meta = build_on_meta(lambda: run.spec.build(run.model_args))
     _checkpoint_manager(meta, step_dir, cfg, run.flavor).check_resumable()  # fingerprint, CRCs
-    run.spec.export_hf(
+    hf.export(run.spec,
         DcpSource(step_dir, "model."),
         run.model_args,
         out,
@@ -134,13 +134,13 @@ def _dcp_args(spec, source: DcpSource, flavor: str | None, hf_config: Path | Non
     """The args of a DCP folder: from an HF config.json, or a flavor with the checkpoint's vocabulary
     (the trainer rounds the tokenizer's up): the model's first tensor is its embedding [V, d]."""
     if hf_config is not None:
-        if spec.hf_args is None:
+        if spec.hf is None:
             raise ValueError(f"model {spec.name} reads no config.json (its ModelSpec has no hf_args)")
         if hf_config.name == "config.json":
-            return spec.hf_args(str(hf_config.parent))
+            return hf.folder_args(spec, str(hf_config.parent))
         with tempfile.TemporaryDirectory() as tmp:
             shutil.copy(hf_config, Path(tmp) / "config.json")
-            return spec.hf_args(tmp)
+            return hf.folder_args(spec, tmp)
     args = spec.flavors[flavor]
     first = next(iter(build_on_meta(lambda: spec.build(args)).state_dict()))
     return dataclasses.replace(args, vocab_size=source.entries()[first][0][0])
@@ -199,7 +199,7 @@ def to_hf(
     ]
     if shapes:
         raise ValueError(f"{dcp_dir} does not have this architecture's shapes: " + "; ".join(shapes[:5]))
-    spec.export_hf(source, args, out, getattr(torch, dtype) if dtype else None, max_shard_size=max_shard_size)
+    hf.export(spec, source, args, out, getattr(torch, dtype) if dtype else None, max_shard_size=max_shard_size)
     files = sorted(p.name for p in out.iterdir() if p.suffix == ".safetensors")
     print(
         f"wrote {out}: config.json + {len(files)} safetensors file(s)"

@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> dict:
     seed = cfg.training.seed if args.seed is None else args.seed
     if data.pad_to_multiple == 0:  # what the run's CP mode needs, as the trainer derives it
         p = cfg.parallelism
-        mode = resolve_mode(p.context_parallel_mode, cfg.model.name, get_model_spec(cfg.model.name).cp_mode)
+        mode = resolve_mode(p.context_parallel_mode, cfg.model.name, get_model_spec(cfg.model.name).parallel.cp_mode)
         data = dataclasses.replace(
             data, pad_to_multiple=default_pad_to_multiple(p.context_parallel_degree, mode)
         )

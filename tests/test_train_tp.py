@@ -148,7 +148,7 @@ def _leak_rows(model_name: str) -> list[int]:
         ac=ActivationCheckpoint(),
     )
     _tokens, batch = packed([21, 47, 9, 30], margs.vocab_size, pad_to=4, tail=24, seed=5)
-    mode = spec.cp_mode
+    mode = spec.parallel.cp_mode
     cp = CPContext(size=2, rank=dims.mesh_rank("cp"), group=dims.get_mesh("cp").get_group(), mode=mode)
     local = partition(batch, 2, cp.rank, mode)
     meta = BatchMeta.from_batch(local, cp=cp, full=batch)

@@ -46,7 +46,7 @@ from titan_thd.data.rows import RowRule, row_rule
 from titan_thd.data.stores import build_stores, check_validation_path
 from titan_thd.data.tokenizer import Tokenizer, build_tokenizer
 from titan_thd.memory.plan import MemoryPlan, plan_memory
-from titan_thd.models import get_model_args, get_model_spec
+from titan_thd.models import get_model_args, get_model_spec, hf
 from titan_thd.models.compile import CompileDecision, has_cpp_compiler, resolve_compile
 from titan_thd.models.spec import ModelSpec
 from titan_thd.parallel.activation_checkpoint import validate_activation_checkpoint
@@ -209,7 +209,7 @@ def resolve_run(cfg: Config, world_size: int) -> Run:
             "training.compile = true: torch.compile's CPU backend builds C++ kernels, and no C++ compiler "
             "(g++, c++ or clang++) is on PATH; install one or set training.compile = false"
         )
-    cp_mode = resolve_mode(p.context_parallel_mode, label, spec.cp_mode)
+    cp_mode = resolve_mode(p.context_parallel_mode, label, spec.parallel.cp_mode)
     pad, derived = cfg.data.pad_to_multiple, ""
     if pad == 0:  # what the CP mode needs
         pad = default_pad_to_multiple(p.context_parallel_degree, cp_mode)
@@ -238,7 +238,7 @@ def resolve_run(cfg: Config, world_size: int) -> Run:
         tp=p.tensor_parallel_degree,
         # Pipeline stages exchange fixed shapes: every microbatch has T rows.
         fixed=not cfg.data.trim_padding or p.pipeline_parallel_degree > 1,
-        min_tokens_per_cp_rank=spec.min_tokens_per_cp_rank(model_args),
+        min_tokens_per_cp_rank=spec.parallel.min_tokens_per_cp_rank(model_args),
         model=f"model {label}",
     )
     check_validation_path(cfg.validation, cfg.data.source)
@@ -246,7 +246,7 @@ def resolve_run(cfg: Config, world_size: int) -> Run:
     precision = resolve_precision(
         t.dtype, t.mixed_precision_param, t.mixed_precision_reduce, hardware.detect(device)
     )
-    payback = spec.compile_payback_steps if spec.compile is not None else 0
+    payback = spec.compile.payback_steps if spec.compile is not None else 0
     return Run(
         cfg=cfg,
         spec=spec,
@@ -272,7 +272,7 @@ def _resolve_model(cfg: Config) -> tuple[ModelSpec, str, str, Tokenizer, Any]:
     and safetensors headers are read (never its weights)."""
     m = cfg.model
     spec = get_model_spec(m.name)
-    if m.hf_path and spec.init_from_hf is None:
+    if m.hf_path and (spec.hf is None or not spec.hf.initialises):
         raise ValueError(
             f"model.hf_path = {m.hf_path!r}: model {m.name} cannot be initialised from a "
             "Hugging Face checkpoint (its ModelSpec has no init_from_hf hook); leave model.hf_path empty"
@@ -280,7 +280,7 @@ def _resolve_model(cfg: Config) -> tuple[ModelSpec, str, str, Tokenizer, Any]:
     # An empty flavor with a checkpoint: the architecture is the checkpoint's config.json (read below,
     # once the folder is known to exist); its args dataclass is the default flavor's.
     from_hf = bool(m.hf_path) and not m.flavor
-    if from_hf and spec.hf_args is None:
+    if from_hf and spec.hf is None:
         raise ValueError(
             f"model.flavor is empty: model {m.name} cannot read its architecture from "
             f"model.hf_path = {m.hf_path!r}; give model.flavor (one of {', '.join(spec.flavors)})"
@@ -297,10 +297,10 @@ def _resolve_model(cfg: Config) -> tuple[ModelSpec, str, str, Tokenizer, Any]:
     else:  # a multiple of 64 rows (matmul-friendly; the extra ids are never seen)
         vocab_size = -(-tokenizer.vocab_size // 64) * 64
     if from_hf:
-        base_args = spec.hf_args(m.hf_path)
+        base_args = hf.folder_args(spec, m.hf_path)
     model_args = dataclasses.replace(base_args, vocab_size=vocab_size, **overrides)
-    if m.hf_path and spec.check_hf is not None:  # config.json and the safetensors headers only
-        spec.check_hf(
+    if m.hf_path and spec.hf is not None:  # config.json and the safetensors headers only
+        hf.check(spec,
             model_args, m.hf_path, "its own config.json" if from_hf else f"model.flavor = {flavor!r}"
         )
     return spec, flavor, label, tokenizer, model_args
@@ -326,14 +326,14 @@ def _check_parallelism(
         degree=p.context_parallel_degree,
         configured_mode=p.context_parallel_mode,
         model=label,
-        model_mode=spec.cp_mode,
+        model_mode=spec.parallel.cp_mode,
         tokens_per_microbatch=t.tokens_per_microbatch,
         pad_to_multiple=pad_to_multiple,
-        min_tokens_per_rank=spec.min_tokens_per_cp_rank(model_args),
+        min_tokens_per_rank=spec.parallel.min_tokens_per_cp_rank(model_args),
     )
     validate_tensor_parallel(
         degree=p.tensor_parallel_degree,
-        divides=spec.tp_divides(model_args),
+        divides=spec.parallel.tp_divides(model_args),
         tokens_per_cp_rank=t.tokens_per_microbatch // p.context_parallel_degree,
         model=label,
     )

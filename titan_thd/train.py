@@ -54,6 +54,7 @@ from titan_thd.inference.evaluation import TrainingEvaluator
 from titan_thd.memory.dry_run import fake_step_fits
 from titan_thd.memory.live import available_host_bytes, log_peak_rss
 from titan_thd.memory.plan import MemoryPlan, refuse_beyond_host
+from titan_thd.models import hf
 from titan_thd.models.compile import CompileClock
 from titan_thd.models.hf.tokenizer import write_tokenizer
 from titan_thd.models.spec import ModelSpec
@@ -359,7 +360,7 @@ class Trainer:
         checkpoint, only the slices this rank holds (ValueError when the architecture differs)."""
         model.init_weights(self.cfg.training.seed)
         if self.cfg.model.hf_path:
-            self.spec.init_from_hf(model, self.cfg.model.hf_path)
+            hf.load_into(self.spec, model, self.cfg.model.hf_path)
 
     def _validator(self, store, layout) -> Validator | None:
         if store is None:

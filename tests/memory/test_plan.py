@@ -13,7 +13,7 @@ from titan_thd.config import ActivationCheckpoint
 from titan_thd.memory import activations
 from titan_thd.memory.plan import host_refusal, plan_memory
 from titan_thd.memory.state import size
-from titan_thd.models.spec import ModelOutput, ModelSpec, PipelineSpec
+from titan_thd.models.spec import ModelOutput, ModelSpec, ParallelSpec, PipelineSpec
 from titan_thd.parallel import seeded_init
 from titan_thd.parallel.parallel_dims import ParallelDims
 from titan_thd.pipeline.split import stage_layers
@@ -49,7 +49,7 @@ SPEC = ModelSpec(
     {},
     build=_Toy,
     flops_per_step=lambda a, d: 0.0,
-    cp_mode="zigzag",
+    parallel=ParallelSpec("zigzag"),
     pipeline=PipelineSpec(first=("embed",), last=("head",), boundary_shape=lambda args, t: (t, D)),
 )
 

@@ -19,7 +19,7 @@ def test_modes_are_one_type():
 
 @pytest.mark.parametrize("model, mode", [("llama", "zigzag"), ("dsv4", "contiguous")])
 def test_auto_follows_the_model_and_another_mode_is_refused(model, mode):
-    declared = get_model_spec(model).cp_mode
+    declared = get_model_spec(model).parallel.cp_mode
     assert declared == mode
     assert resolve_mode("auto", model, declared) == mode
     assert resolve_mode(mode, model, declared) == mode

@@ -36,6 +36,7 @@ from titan_thd.data import deepseek_chat
 from titan_thd.data.chat_template import encode_prompt
 from titan_thd.data.tokenizer import END_OF_TURN, Tokenizer
 from titan_thd.inference.generate import Completion, generate
+from titan_thd.models import hf
 from titan_thd.models.spec import ModelSpec, as_dtype
 from titan_thd.parallel.distributed import parse_device
 from titan_thd.parallel.fsdp import build_on_meta
@@ -163,7 +164,7 @@ def load_model(
         _checkpoint_manager(model, step_dir, cfg, run.flavor).load()
         source = f"checkpoint {step_dir}"
     elif cfg.model.hf_path:
-        spec.init_from_hf(model, cfg.model.hf_path)
+        hf.load_into(spec, model, cfg.model.hf_path)
         source = f"Hugging Face folder {cfg.model.hf_path}"
     else:
         source = f"untrained (seed {cfg.training.seed})"

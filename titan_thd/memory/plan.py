@@ -221,7 +221,7 @@ def plan_memory(
     for rank in range(pp):
         part = full if stages is None else rank_part(spec.pipeline, full, layers, rank, pp, tied)
         muon = matrix_params(part) if optimizer == "muon" else ()
-        experts = spec.expert_params(part)
+        experts = spec.parallel.expert_params(part)
         state = estimate_memory_per_rank(part, dims, optimizer, precision, muon, experts)
         chunks = range(rank, len(layers), pp)
         in_flight: int | None = 1
