@@ -38,6 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from titan_thd.components.hardware import cpu_model_name
 from titan_thd.models.dsv4.args import flavors
 from titan_thd.models.dsv4.moe import MoE, grouped_experts, looped_experts
 from titan_thd.parallel import expert_parallel
@@ -172,7 +173,7 @@ def main() -> None:
         (4096, 2048, 4, 2, 1024, max(3, cli.reps // 2)),  # ... with 512 rows per expert
     ]
     report = {
-        "cpu": _cpu_model(),
+        "cpu": cpu_model_name(),
         "torch": torch.__version__,
         "threads": cli.threads,
         "matmul_peak_gflops": peak,
@@ -199,16 +200,6 @@ def main() -> None:
         )
     if cli.json:
         cli.json.write_text(json.dumps(report, indent=2))
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
 
 
 if __name__ == "__main__":
