@@ -320,7 +320,7 @@ def run_side(opts: argparse.Namespace) -> dict:
         if opts.side == "compiled":
             from titan_thd.models.dsv4 import spec
 
-            spec.compile(model)
+            spec.compile.apply(model)
         inputs = [_pack(docs, T) for docs in docs_per_mb]
         inputs = [(b, BatchMeta.from_batch(b)) for b in inputs]
     else:

@@ -82,7 +82,7 @@ def build_torchtitan(dtype: torch.dtype, compile_: bool):
 def build_ours(dtype: torch.dtype, compile_: bool):
     model = build_llama(LlamaArgs(**DIMS, n_kv_heads=16, rope_theta=500000.0)).to(dtype).train()
     if compile_:
-        llama_spec.compile(model)
+        llama_spec.compile.apply(model)
     return model
 
 

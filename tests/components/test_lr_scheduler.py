@@ -6,7 +6,7 @@ import torch
 from titan_thd.components.lr_scheduler import LRSchedulersContainer, lr_factor
 from titan_thd.components.optimizer import build_optimizers
 from titan_thd.config import LRScheduler, Optimizer
-from titan_thd.models.spec import ModelSpec
+from titan_thd.models.spec import ModelSpec, ParallelSpec
 
 
 def test_warmup_then_cosine_worked_values():
@@ -29,7 +29,7 @@ def test_linear_and_none():
 
 def _opt_and_sched(total_steps=0, training_steps=6):
     model = torch.nn.Linear(3, 3)
-    spec = ModelSpec(name="toy", flavors={}, build=None, flops_per_step=None, cp_mode="zigzag")
+    spec = ModelSpec(name="toy", flavors={}, build=None, flops_per_step=None, parallel=ParallelSpec("zigzag"))
     opts = build_optimizers(model, Optimizer(lr=1.0), spec)
     cfg = LRScheduler(warmup_steps=1, decay="linear", min_lr_factor=0.0, total_steps=total_steps)
     return opts, LRSchedulersContainer(opts, cfg, training_steps)

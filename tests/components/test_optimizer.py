@@ -8,9 +8,9 @@ from tests._dist import spawn
 from titan_thd.components.muon import Muon, newton_schulz
 from titan_thd.components.optimizer import build_optimizers, clip_grad_norm_, default_matrix_params
 from titan_thd.config import Optimizer
-from titan_thd.models.spec import ModelSpec
+from titan_thd.models.spec import ModelSpec, ParallelSpec
 
-SPEC = ModelSpec(name="toy", flavors={}, build=None, flops_per_step=None, cp_mode="zigzag")
+SPEC = ModelSpec(name="toy", flavors={}, build=None, flops_per_step=None, parallel=ParallelSpec("zigzag"))
 
 
 class TinyLM(nn.Module):
@@ -90,7 +90,7 @@ def test_matrix_params_must_be_2d():
         flavors={},
         build=None,
         flops_per_step=None,
-        cp_mode="zigzag",
+        parallel=ParallelSpec("zigzag"),
         matrix_params=lambda m: ["proj.bias"],
     )
     with pytest.raises(ValueError, match=r"Muon needs 2-D parameters.*proj\.bias"):

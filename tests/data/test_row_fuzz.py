@@ -130,7 +130,7 @@ class Checker:
             p.pipeline_parallel_degree,
         )
         self.mode, self.threshold, self.pad = run.cp_mode, run.hybrid_threshold, run.pad_to_multiple
-        self.min_local = spec.min_tokens_per_cp_rank(args)
+        self.min_local = spec.parallel.min_tokens_per_cp_rank(args)
         self.fixed = self.pp > 1 or not cfg.data.trim_padding
         self.seen, self.rng = Counter(), np.random.default_rng(self.cp * 100 + self.tp * 10 + self.pp)
         self.planned: set = set()

@@ -13,7 +13,7 @@ tokenizer and the special-token ids that make `generate` stop at the end of a tu
 - llama through LlamaForCausalLM: logits within 1e-6 of their largest magnitude of each document alone
   (float32: the x10 head puts logits near 39, where one ulp is 3.8e-6; the two sides' differently ordered
   float32 sums measured 9.5e-6 on an AMD EPYC and 1.14e-5 on an Intel Xeon, 2-3 ulps), the same greedy
-  tokens, and the weights back unchanged by load_hf.
+  tokens, and the weights back unchanged by the load.
 """
 
 import json
@@ -29,8 +29,8 @@ from titan_thd.inference.loading import stop_ids
 from titan_thd.models import get_model_spec
 from titan_thd.models.decoding import packed_meta
 from titan_thd.models.dsv4 import export_hf
+from titan_thd.models.hf import export, load
 from titan_thd.models.llama import LlamaArgs, build_llama
-from titan_thd.models.llama import hf_interop as llama_hf
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
@@ -117,7 +117,7 @@ def test_llama_exports_to_llama_for_causal_lm(tmp_path):
     model = build_llama(args).eval()
     with torch.no_grad():
         model.output.weight.mul_(10)
-    out = llama_hf.export_hf(model, tmp_path / "hf", tokenizer=TOK, context=512)
+    out = export(get_model_spec("llama"), model, args, tmp_path / "hf", tokenizer=TOK, context=512)
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
     assert type(hf).__name__ == "LlamaForCausalLM"
     ps = prompts(1, (7, 60, 33))
@@ -139,7 +139,7 @@ def test_llama_exports_to_llama_for_causal_lm(tmp_path):
     ):
         assert hf_greedy(hf, p) == c.tokens
         check_no_near_tie(model, hf, p, c.tokens)
-    back = llama_hf.load_hf(out)
+    back = load(get_model_spec("llama"), out)
     assert all(
         torch.equal(a, b)
         for a, b in zip(model.state_dict().values(), back.state_dict().values(), strict=True)

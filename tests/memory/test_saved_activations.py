@@ -10,7 +10,7 @@ from torch import nn
 
 from titan_thd.memory import activations
 from titan_thd.models import get_model_spec
-from titan_thd.models.spec import ModelOutput, ModelSpec
+from titan_thd.models.spec import ModelOutput, ModelSpec, ParallelSpec
 
 T, D, V = 64, 16, 32
 
@@ -37,7 +37,7 @@ class _ToyArgs:
 
 
 def test_counts_each_saved_storage_once_where_it_is_saved_first():
-    spec = ModelSpec("toy", {}, build=_Toy, flops_per_step=lambda a, d: 0.0, cp_mode="zigzag")
+    spec = ModelSpec("toy", {}, build=_Toy, flops_per_step=lambda a, d: 0.0, parallel=ParallelSpec("zigzag"))
     got = activations.measure(spec, _ToyArgs(), T, torch.float32)
     row = T * D * 4
     # Layer 0 saves the embedding output and its ReLU output; later layers only their ReLU output

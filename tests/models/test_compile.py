@@ -64,7 +64,7 @@ def _assert_close(eager, comp):
 def test_compiled_dsv4_equals_eager_float64_over_two_lengths():
     args = micro()
     eager, comp = build(args).train(), build(args).train()  # the same seed: the same weights
-    get_model_spec("dsv4").compile(comp)
+    get_model_spec("dsv4").compile.apply(comp)
     block = comp.layers["0"]
     assert block.hc_post is compiled(hc_post_formula) and comp.layers["1"].ffn.experts.act is compiled(swiglu)
     assert block.ffn.shared_experts.act is compiled(swiglu) and comp.norm.fn is block.attn_norm.fn
@@ -93,7 +93,7 @@ def test_compiled_llama_equals_eager_float64():
         torch.manual_seed(0)
         models.append(build_llama(args).double().train())
     eager, comp = models
-    get_model_spec("llama").compile(comp)
+    get_model_spec("llama").compile.apply(comp)
     assert comp.layers["0"].feed_forward.act is compiled(llama_model.swiglu)
     tokens, batch = packed([13, 30, 9], vocab=args.vocab_size, pad_to=4, tail=4, seed=3)
     _assert_close(_loss_and_grads(eager, tokens, batch), _loss_and_grads(comp, tokens, batch))

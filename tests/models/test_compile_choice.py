@@ -51,8 +51,8 @@ def test_auto_stays_off_where_nothing_was_measured_or_nothing_can_compile(monkey
 def test_the_recipes_payback_steps():
     """dsv4's measured payback (docs/dsv4.md §18) turns its 40-step recipe's compile off; llama's
     one region was not measured faster, so `auto` never compiles it."""
-    assert get_model_spec("dsv4").compile_payback_steps > 40
-    assert get_model_spec("llama").compile_payback_steps == 0
+    assert get_model_spec("dsv4").compile.payback_steps > 40
+    assert get_model_spec("llama").compile.payback_steps == 0
 
 
 def test_the_compile_clock_reports_the_first_step_and_recompiles(monkeypatch):

@@ -1,4 +1,4 @@
-"""llama's HF load streams slices too (models/hf/io.py): a multi-file export (bounded files + index)
+"""llama's HF load streams slices too (models/hf/load.py): a multi-file export (bounded files + index)
 loads bitwise into a plain model, into a pipeline stage, and into TP-sharded DTensors on 2 gloo ranks;
 a misshaped tensor is one line naming the file, and nothing is written."""
 
@@ -10,18 +10,20 @@ import pytest
 import torch
 
 from tests._dist import spawn
+from titan_thd.models import get_model_spec
+from titan_thd.models.hf import export, load_into
 from titan_thd.models.llama import flavors
-from titan_thd.models.llama.hf_interop import export_hf, load_hf_into
 from titan_thd.models.llama.model import build_llama
 
 ARGS = dataclasses.replace(flavors["debug"], vocab_size=512, n_layers=2)
+SPEC = get_model_spec("llama")
 
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     torch.manual_seed(0)
     model = build_llama(ARGS)
-    out = export_hf(model, tmp_path_factory.mktemp("llama") / "hf", max_shard_size=400_000)
+    out = export(SPEC, model, ARGS, tmp_path_factory.mktemp("llama") / "hf", max_shard_size=400_000)
     assert (out / "model.safetensors.index.json").is_file()
     return model.state_dict(), out
 
@@ -37,12 +39,12 @@ def _nan_model():
 def test_plain_and_stage_load_bitwise(exported):
     want, path = exported
     model = _nan_model()
-    assert load_hf_into(model, path).bytes_read == sum(v.nbytes for v in want.values())
+    assert load_into(SPEC, model, path).bytes_read == sum(v.nbytes for v in want.values())
     for k, v in model.state_dict().items():
         assert torch.equal(v, want[k]), k
     stage = _nan_model()
     del stage.layers["0"]
-    load_hf_into(stage, path)
+    load_into(SPEC, stage, path)
     for k, v in stage.state_dict().items():
         assert torch.equal(v, want[k]), k
 
@@ -58,7 +60,7 @@ def _tp_body(rank, world, path):
         placement = Shard(i % 2) if p.dim() == 2 else Replicate()
         d = distribute_tensor(p.detach(), mesh, [placement], src_data_rank=None)
         model.get_submodule(owner).register_parameter(leaf, torch.nn.Parameter(d))
-    load_hf_into(model, path)
+    load_into(SPEC, model, path)
     return {k: v.full_tensor() for k, v in model.state_dict().items()}
 
 
@@ -86,5 +88,5 @@ def test_misshaped_tensor_is_one_line(exported, tmp_path):
     with pytest.raises(
         ValueError, match=rf"wrong shape: \S+: \(3,\) vs model \(\d+.*\({key} in \S+{f.name}\)"
     ):
-        load_hf_into(model, bad)
+        load_into(SPEC, model, bad)
     assert all(v.isnan().all() for v in model.state_dict().values())

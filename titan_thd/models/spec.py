@@ -26,6 +26,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from titan_thd.models.decoding import Decoder
+from titan_thd.models.hf.adapter import HFAdapter
 from titan_thd.parallel.context_parallel import CPMode
 
 
@@ -54,59 +55,77 @@ class PipelineSpec:
 
 
 @dataclass(frozen=True)
+class ParallelSpec:
+    """What the parallel layouts need to know about a model (startup.resolve_run checks a layout
+    against it before any process group exists; titan_thd/parallel/)."""
+
+    cp_mode: CPMode
+    """The context-parallel split the model computes exactly (parallelism.context_parallel_mode = auto
+    follows it; another mode is refused): see titan_thd/parallel/context_parallel.py."""
+    min_tokens_per_cp_rank: Callable[[Any], int] = field(default=lambda args: 1)
+    """args -> smallest local shard (T / cp) the model supports, e.g. its CP halo width."""
+    tp_divides: Callable[[Any], dict[str, int]] = field(default=lambda args: {})
+    """args -> {size name: size} that parallelism.tensor_parallel_degree must divide (heads, groups)."""
+    expert_params: Callable[[nn.Module], list[str]] = field(default=lambda model: [])
+    """Names of the parameters expert parallelism places (each on 1 / ep of the ranks): the memory
+    estimate of a model not yet split (the pipeline stage lines) counts their unsharded copies."""
+    routed_experts: Callable[[Any], int] = field(default=lambda args: 0)
+    """args -> how many routed experts expert parallelism splits over its ranks (0 = none:
+    parallelism.expert_parallel_degree > 1 is refused)."""
+    te_attention: Callable[[Any], bool] = field(default=lambda args: False)
+    """args -> whether attention runs in Transformer Engine, which runs without context parallelism
+    only (context_parallel_degree > 1 is refused)."""
+
+
+@dataclass(frozen=True)
+class CompileSpec:
+    """training.compile for a model: regional torch.compile of its element-wise chains."""
+
+    apply: Callable[[nn.Module], None]
+    """(model chunk) -> None: compiles the model's regions in place (titan_thd/models/compile.py);
+    the family's `parallelize` calls it (before FSDP) when training.compile is on."""
+    payback_steps: int = 0
+    """training.compile = auto compiles (on a CPU with a C++ compiler) from this many training.steps on:
+    the first step's compile time over the steady saving per step measured for this model (0 = never:
+    not measured faster)."""
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     name: str
     flavors: dict[str, Any]
     """flavor name -> model args dataclass (must have `vocab_size`)."""
     build: Callable[[Any], nn.Module]
-    """args -> model with initialised full weights (call under a seeded RNG)."""
+    """args -> model with initialised full weights (call under a seeded RNG); the model keeps the
+    args as `model.args`."""
     flops_per_step: Callable[[Any, Sequence[int]], float]
     """(args, real document lengths of a step) -> forward+backward FLOPs of those documents."""
-    cp_mode: CPMode
-    """The context-parallel split the model computes exactly (parallelism.context_parallel_mode = auto
-    follows it; another mode is refused): see titan_thd/parallel/context_parallel.py."""
+    parallel: ParallelSpec
+    """What the parallel layouts need to know: the CP split, TP divisors, expert parameters."""
     default_flavor: str = ""
     """The flavor of an empty `model.flavor` without a checkpoint to read the architecture from
     ("" = the first of `flavors`)."""
     parallelize: Callable[..., nn.Module] | None = None
-    """(model chunk, parallel_dims, *, parallelism, training, activation_checkpoint, precision) ->
-    model: the model's fixed sequence `apply_tp`, `apply_ep`, `apply_compile`, `apply_ac`,
-    `apply_fsdp` on one pipeline chunk (or the whole model); CP needs no wrapping (the layers read
+    """(model chunk, dims, *, compile, ac, precision) -> model: the model's fixed sequence `apply_tp`,
+    `apply_ep`, `apply_compile` (when `compile`: training.compile as start-up resolved it),
+    `apply_ac` (`ac`: the run's activation_checkpoint section), `apply_fsdp` on one pipeline chunk (or
+    the whole model), `dims` the run's ParallelDims; CP needs no wrapping (the layers read
     BatchMeta.cp). `precision` (components/precision.py) is the run's resolved dtypes: under mixed
-    precision FSDP applies on every layout."""
+    precision FSDP applies on every layout. None = one process only."""
     ac_regions: Mapping[str, str] = field(default_factory=dict)
     """Region name -> what it recomputes, for activation_checkpoint.mode = selective (the model's
     `apply_ac` wraps them); empty = only mode = full (docs/design.md §5.5)."""
     pipeline: PipelineSpec | None = None
     """How the model splits into pipeline stages; None = parallelism.pipeline_parallel_degree > 1 is
     refused."""
-    min_tokens_per_cp_rank: Callable[[Any], int] = field(default=lambda args: 1)
-    """Smallest local shard (T / cp) the model supports, e.g. its CP halo width."""
-    tp_divides: Callable[[Any], dict[str, int]] = field(default=lambda args: {})
-    """args -> {size name: size} that parallelism.tensor_parallel_degree must divide (heads, groups)."""
-    expert_params: Callable[[nn.Module], list[str]] = field(default=lambda model: [])
-    """Names of the parameters expert parallelism places (each on 1 / ep of the ranks): the memory
-    estimate of a model not yet split (the pipeline stage lines) counts their unsharded copies."""
     matrix_params: Callable[[nn.Module], list[str]] | None = None
     """Names of parameters that Muon updates (the rest go to AdamW); None = every 2-D weight except
     embeddings and the LM head."""
     # Optional trainer hooks: typed fields, so a misspelt hook is a TypeError when the spec is built.
-    init_from_hf: Callable[[nn.Module, str], None] | None = None
-    """(model, model.hf_path) -> None: load a Hugging Face checkpoint into the model's allocated
-    parameters (plain tensors, or this rank's DTensor shards, reading only their slices); ValueError
-    on an architecture mismatch. None = model.hf_path is refused."""
-    check_hf: Callable[[Any, str, str], None] | None = None
-    """(args, model.hf_path, name of the args) -> None: check the checkpoint's config.json against the
-    args before anything is built or read (ValueError on a mismatch); None = no early check."""
-    hf_args: Callable[[str], Any] | None = None
-    """model.hf_path -> the args its config.json describes (ValueError if it cannot be read or is not
-    supported): the architecture when `model.flavor` is empty; None = that model needs a flavor."""
-    export_hf: Callable[..., Any] | None = None
-    """(source, args, out_dir, dtype=None, *, tokenizer, tokenizer_source, context, max_shard_size) ->
-    out_dir: write a Hugging Face folder (config.json, safetensors files of at most max_shard_size
-    bytes + model.safetensors.index.json) streaming `source`, a models/hf/write.py `ModelSource` or
-    `DcpSource` (our names -> tensors, loaded a group at a time); scripts/convert_hf.py to-hf. None =
-    that model cannot be exported."""
+    hf: HFAdapter | None = None
+    """The family's Hugging Face format (models/hf/adapter.py): tensor names and config.json both ways,
+    transformers' module names. models/hf/ loads (`model.hf_path`, scripts/convert_hf.py to-dcp) and
+    exports (to-hf) through it. None = no Hugging Face folder is read or written."""
     padded_forward: Callable[[nn.Module, torch.Tensor, list[int]], torch.Tensor] | None = None
     """(model, tokens_BS, lengths_B) -> logits_BSV of a padded batch: row b holds one document in its
     first lengths_B[b] columns, the rest is padding (its logits are ignored). A code path of its own,
@@ -124,14 +143,9 @@ class ModelSpec:
     after_optimizer_step: Callable[[nn.Module, ProcessGroup | None], None] | None = None
     """(model, loss_group) -> None after every optimizer step; loss_group is the dp x cp group that
     sums the step's token losses (None on one rank), e.g. dsv4's router-bias update."""
-    compile: Callable[[nn.Module], None] | None = None
-    """(model chunk) -> None: training.compile, regional torch.compile in place of the model's
-    element-wise chains (titan_thd/models/compile.py); `parallelize` applies it (before FSDP) when
-    training.compile is on. None = that switch is refused at start-up."""
-    compile_payback_steps: int = 0
-    """training.compile = auto compiles (on a CPU with a C++ compiler) from this many training.steps on:
-    the first step's compile time over the steady saving per step measured for this model (0 = never:
-    not measured faster)."""
+    compile: CompileSpec | None = None
+    """training.compile's regional compile and when `auto` turns it on; None = training.compile = true
+    is refused at start-up."""
 
 
 def build_initialised(make: Callable[[], nn.Module]) -> nn.Module:

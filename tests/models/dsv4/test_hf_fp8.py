@@ -29,8 +29,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from titan_thd.models.dsv4 import build_dsv4, export_hf, flavors, load_hf
-from titan_thd.models.dsv4.hf_dequant import check_quantization_config, dequantize_state
-from titan_thd.models.dsv4.hf_interop import to_reference
+from titan_thd.models.dsv4.hf_dequant import check_quantization_config, quantized_sources
+from titan_thd.models.dsv4.hf_names import to_reference
+from titan_thd.models.hf.io import SafetensorsFolder
 
 POSITIVE_E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 FP8_MAX = 448.0
@@ -148,31 +149,43 @@ def _fp8(shape):
     return torch.randn(shape).to(torch.float8_e4m3fn)
 
 
+def dequantized(state, block, folder):
+    """What the loader reads of a folder holding `state`: every quantised weight, dequantised whole."""
+    folder.mkdir(exist_ok=True)
+    save_file(state, str(folder / "model.safetensors"))
+    stored = SafetensorsFolder(folder)
+    quantized, _ = quantized_sources(stored.tensors, block)
+    return {k: q.read(stored, tuple(slice(0, n) for n in q.shape)) for k, q in quantized.items()}
+
+
 @pytest.mark.parametrize(
     "state, message",
     [
-        ({"a.weight": _fp8((4, 4))}, r"a.weight is quantised but has no scale"),
-        ({"a.weight": torch.zeros(4, 4, dtype=torch.float8_e5m2)}, r"a.weight is float8_e5m2"),
+        ({"a.weight": _fp8((4, 4))}, r"a.weight in \S+: quantised but has no scale"),
+        (
+            {"a.weight": torch.zeros(4, 4, dtype=torch.float8_e5m2)},
+            r"a.weight in \S+: float8_e5m2 is an unknown",
+        ),
         (
             {"a.weight": torch.zeros(4, 2, dtype=torch.uint8), "a.weight_scale_2": torch.ones(())},
-            r"NVFP4 / static activation scales.*a.weight_scale_2",
+            r"a.weight_scale_2 in \S+: .*NVFP4 / static activation scales",
         ),
         (
             {"a.weight": _fp8((200, 100)), "a.scale": torch.ones(3, 3)},
-            r"a.weight: scale grid \(3, 3\) does not tile the weight's 200 x 100 values",
+            r"a.weight in \S+: scale grid \(3, 3\) does not tile the weight's 200 x 100 values",
         ),
     ],
 )
-def test_unreadable_quantization_is_named(state, message):
+def test_unreadable_quantization_is_named(state, message, tmp_path):
     with pytest.raises(ValueError, match=message):
-        dequantize_state(state, (128, 128), "ckpt")
+        dequantized(state, (128, 128), tmp_path / "ckpt")
 
 
-def test_partial_edge_blocks_follow_the_configured_block():
+def test_partial_edge_blocks_follow_the_configured_block(tmp_path):
     # DeepSeek-V3's kv_a weight: [576, 7168] with a [5, 56] grid; 576 = 4.5 blocks of 128 rows.
     w = torch.ones(576, 256, dtype=torch.float8_e4m3fn)
     grid = torch.arange(1.0, 11.0).reshape(5, 2)
-    out = dequantize_state({"kv.weight": w, "kv.weight_scale_inv": grid}, (128, 128), "ckpt")
+    out = dequantized({"kv.weight": w, "kv.weight_scale_inv": grid}, (128, 128), tmp_path / "ckpt")
     assert set(out) == {"kv.weight"}
     assert out["kv.weight"][575, 255] == 10.0 and out["kv.weight"][512, 127] == 9.0
     assert out["kv.weight"][511, 128] == 8.0 and out["kv.weight"][0, 0] == 1.0

@@ -15,8 +15,10 @@ import pytest
 import torch
 
 from tests.models.dsv4._util import doc_slices, meta, packed
+from titan_thd.models import hf
 from titan_thd.models.dsv4 import export_hf, load_hf
-from titan_thd.models.dsv4.hf_interop import args_from_hf_config, to_ours
+from titan_thd.models.dsv4.hf_config import args_from_hf_config
+from titan_thd.models.dsv4.hf_names import to_ours
 
 transformers = pytest.importorskip("transformers")
 safetensors = pytest.importorskip("safetensors.torch")
@@ -231,9 +233,9 @@ def test_init_from_hf_hook_loads_into_a_built_model(hf_dir, ours):
 
     model, args = ours
     fresh = build_dsv4(args)
-    spec.init_from_hf(fresh, hf_dir[0])
+    hf.load_into(spec, fresh, hf_dir[0])
     for k, v in model.state_dict().items():
         if not k.startswith("mtp."):
             assert torch.equal(fresh.state_dict()[k], v), k
     with pytest.raises(ValueError, match="does not match the given args: dim: checkpoint 64 vs 128"):
-        spec.init_from_hf(build_dsv4(dataclasses.replace(args, dim=128)), hf_dir[0])
+        hf.load_into(spec, build_dsv4(dataclasses.replace(args, dim=128)), hf_dir[0])

@@ -1,4 +1,4 @@
-"""The sharded streaming HF load (models/hf/io.py, models/dsv4/hf_load.py) on a folder in the
+"""The sharded streaming HF load (models/hf/load.py, models/hf/io.py, models/dsv4/hf_adapter.py) on a folder in the
 release's format (tests/models/dsv4/_release.py: several files, FP8 / FP4 with `.scale` names).
 
 - 1 process: the loader gives bitwise today's full load (every file read, dequantised whole, copied in);
@@ -23,12 +23,12 @@ import torch
 from safetensors.torch import load_file
 
 from tests._dist import spawn
+from tests.models.dsv4._hf_helpers import dequantize_state, load_state_dict_hf
 from tests.models.dsv4._release import write_release
 from tests.models.dsv4._util import build, micro
 from titan_thd.models.dsv4 import build_dsv4, load_hf_into
 from titan_thd.models.dsv4.hf_config import args_from_hf_config
-from titan_thd.models.dsv4.hf_dequant import check_quantization_config, dequantize_state
-from titan_thd.models.dsv4.hf_interop import load_state_dict_hf
+from titan_thd.models.dsv4.hf_dequant import check_quantization_config
 from titan_thd.models.hf.io import SafetensorsFolder
 
 ARGS = micro()
@@ -48,7 +48,7 @@ def full_load(path) -> dict[str, torch.Tensor]:
         state |= load_file(f)
     cfg = json.loads((path / "config.json").read_text())
     model = build_dsv4(args_from_hf_config(cfg))
-    load_state_dict_hf(model, dequantize_state(state, check_quantization_config(cfg, "c"), "p"), "p")
+    load_state_dict_hf(model, dequantize_state(state, check_quantization_config(cfg, "c")))
     return model.state_dict()
 
 
@@ -88,7 +88,7 @@ def test_the_0731_layout_loads_and_skips_extras_in_one_line(release, caplog):
     assert len(cfg["compress_ratios"]) == ARGS.n_layers + 3 and "dspark_block_size" in cfg
     assert args_from_hf_config(cfg).architecture() == ARGS.architecture()
     loaded = nan_model()
-    with caplog.at_level(logging.WARNING, logger="titan_thd.models.dsv4.hf_load"):
+    with caplog.at_level(logging.WARNING, logger="titan_thd.models.hf.load"):
         load_hf_into(loaded, other)
     lines = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
     assert len(lines) == 1 and "skipped 2" not in lines[0] and "dspark.proj.weight" in lines[0], lines

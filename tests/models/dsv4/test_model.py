@@ -285,7 +285,7 @@ def layer_params(args: DSv4Args) -> dict[str, int]:
 def test_flavors_and_flash_dimensions():
     assert abs(count_params(spec.build(flavors["micro"])) - 1.27e6) < 0.1e6
     flash = flavors["flash"]
-    assert spec.cp_mode == "contiguous" and spec.min_tokens_per_cp_rank(flash) == 128
+    assert spec.parallel.cp_mode == "contiguous" and spec.parallel.min_tokens_per_cp_rank(flash) == 128
     per_layer = layer_params(flash)
     main = sum(per_layer[t] for t in flash.layer_types) + 2 * flash.vocab_size * flash.dim
     assert 280e9 < main < 290e9, main  # "~284B total" (docs/dsv4.md §1.1), MTP excluded

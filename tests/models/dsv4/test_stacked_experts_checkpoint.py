@@ -22,7 +22,8 @@ import scripts.convert_hf as convert_hf
 from tests.conftest import TRAIN_ARGS
 from titan_thd.components.checkpoint_folder import write_meta
 from titan_thd.config import load_config
-from titan_thd.models.dsv4.hf_interop import split_experts
+from titan_thd.models.dsv4.hf_names import split_experts
+from titan_thd.startup import resolve_run
 from titan_thd.train import Trainer
 
 _STACK_OPTIM = re.compile(r"^(state|param_groups)\.(.*\.ffn\.experts)\.(w[123])\.(\w+)$")
@@ -95,7 +96,7 @@ def one_thread():
 
 
 def test_old_checkpoint_is_refused_then_converted_exactly(tmp_path, one_thread):
-    trainer = Trainer(_cfg(tmp_path / "run"))
+    trainer = Trainer(resolve_run(_cfg(tmp_path / "run")))
     try:
         trainer.train()
     finally:
@@ -109,7 +110,9 @@ def test_old_checkpoint_is_refused_then_converted_exactly(tmp_path, one_thread):
     )
 
     resume = Trainer(
-        _cfg(tmp_path / "resume", "--checkpoint.folder", str(tmp_path / "old"), "--training.steps", "2")
+        resolve_run(
+            _cfg(tmp_path / "resume", "--checkpoint.folder", str(tmp_path / "old"), "--training.steps", "2")
+        )
     )
     try:
         with pytest.raises(ValueError, match=r"before the experts were stacked.*convert_hf.py stack-experts"):

@@ -3,11 +3,14 @@
 from titan_thd.models.dsv4 import load_hf, export_hf
 model, args = load_hf("path/to/hf_checkpoint")        # config.json + *.safetensors
 export_hf(model, args, "out_dir")                      # loadable by transformers' DeepseekV4ForCausalLM
+
+(the family's door to models/hf/, through its adapter `spec.hf`, hf_adapter.py)
 """
 
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -15,14 +18,7 @@ from torch import nn
 from titan_thd.models.dsv4.args import CP_MODE, DSv4Args, flavors
 from titan_thd.models.dsv4.decode import DSv4Decoder
 from titan_thd.models.dsv4.flops import flops_per_step
-from titan_thd.models.dsv4.hf_interop import (
-    check_hf,
-    export_hf,
-    export_hf_from,
-    hf_args,
-    load_hf,
-    load_hf_into,
-)
+from titan_thd.models.dsv4.hf_adapter import HF
 from titan_thd.models.dsv4.model import DSv4Model, build_dsv4, per_document_logits
 from titan_thd.models.dsv4.parallelize import (
     AC_REGIONS,
@@ -31,7 +27,9 @@ from titan_thd.models.dsv4.parallelize import (
     routed_expert_params,
     tp_divides,
 )
-from titan_thd.models.spec import ModelSpec, PipelineSpec
+from titan_thd.models.hf import export, load, load_into
+from titan_thd.models.hf.io import LoadStats
+from titan_thd.models.spec import CompileSpec, ModelSpec, ParallelSpec, PipelineSpec
 
 
 def matrix_params(model: nn.Module) -> list[str]:
@@ -91,28 +89,48 @@ spec = ModelSpec(
     default_flavor="tiny",
     build=build_dsv4,
     flops_per_step=flops_per_step,
-    cp_mode=CP_MODE,
+    parallel=ParallelSpec(
+        cp_mode=CP_MODE,
+        min_tokens_per_cp_rank=lambda args: args.halo,
+        tp_divides=tp_divides,
+        expert_params=routed_expert_params,
+        routed_experts=lambda args: args.n_experts,
+    ),
     parallelize=parallelize_dsv4,
     ac_regions=AC_REGIONS,
     pipeline=PIPELINE,
-    tp_divides=tp_divides,
-    min_tokens_per_cp_rank=lambda args: args.halo,
     matrix_params=matrix_params,
-    expert_params=routed_expert_params,
-    init_from_hf=load_hf_into,
-    export_hf=export_hf_from,
-    check_hf=check_hf,
-    hf_args=hf_args,
+    hf=HF,
     padded_forward=per_document_logits,
     decoder=DSv4Decoder,
     after_optimizer_step=update_router_bias,
     narrow=narrow,
-    compile=apply_compile,
     # 20-30 s of compile on the recipe's first step against 1.03x (the recipe, 2 threads) to
     # 1.12-1.20x (alternating steps in one process) per step of ~3.5 s on a 2-core EPYC
     # (docs/dsv4.md §18): it pays back after 50-300 steps.
-    compile_payback_steps=300,
+    compile=CompileSpec(apply_compile, payback_steps=300),
 )
+
+
+def load_hf(path: str | Path, flavor_or_args: str | DSv4Args | None = None) -> tuple[DSv4Model, DSv4Args]:
+    """(model, args) from an HF DeepseekV4 folder, float32 on CPU (models/hf/load.py `load`):
+    `flavor_or_args` a flavor name or DSv4Args the folder must match (their training knobs are kept);
+    None takes everything from config.json."""
+    model = load(spec, path, flavor_or_args)
+    return model, model.args
+
+
+def load_hf_into(model: DSv4Model, path: str | Path) -> LoadStats:
+    """Load an HF folder into an allocated (plain or sharded) model, each rank its slices."""
+    return load_into(spec, model, path)
+
+
+def export_hf(
+    model: DSv4Model, args: DSv4Args, out_dir: str | Path, dtype: torch.dtype | None = None, **options
+):
+    """Write `model` as an HF folder (models/hf/export.py `export`: tokenizer, context, max_shard_size)."""
+    return export(spec, model, args, out_dir, dtype, **options)
+
 
 __all__ = [
     "DSv4Args",

@@ -1,48 +1,36 @@
-"""Stream a DeepSeek-V4 Hugging Face folder into a dsv4 model, each rank only the slices it holds.
+"""dsv4's Hugging Face format (`HF`, the spec's `hf`): DeepSeek-V4 folders <-> our model (docs/dsv4.md §17).
 
-`load_hf_into(model, path)` (the spec's `init_from_hf`) fills a model whose tensors are allocated,
-plain (one process) or DTensors of any layout (FSDP / HSDP, TP, EP, EP x TP, a pipeline stage's
-modules), in place: from the folder's headers it plans how each of our tensors is made of stored
-ones (names mapped, per-expert tensors stacked, transformers' fused experts split, FP8 / FP4 weights
-paired with their scales), checks the plan against the full model that config.json describes (a
-meta copy: no memory), then every rank reads the box of each tensor it holds (models/hf/io.py),
-dequantising only the scale blocks that box covers. The result is bitwise what reading the whole
-folder and copying it in gives (tests/models/dsv4/test_hf_sharded.py).
+The names live in hf_names.py (ours, DeepSeek's "reference" release spelling, transformers' module
+names), the config keys in hf_config.py, the dequantisation of DeepSeek's published FP8 / FP4 weights
+in hf_dequant.py; the load and the export themselves are every family's (models/hf/). A folder may
+hold any mix of the spellings; the export writes the reference spelling with a transformers
+config.json, which `DeepseekV4ForCausalLM.from_pretrained` loads.
 
-Tensors the model has no place for that belong to layers it does not have (a second MTP layer,
-layers past num_hidden_layers, a draft head such as DeepSeek-V4-Flash-0731's `dspark`) are skipped
-with one logged line; any other unexpected tensor is an error.
+From the headers alone `dsv4_sources` plans how each of our tensors is made of stored ones (names
+mapped, per-expert tensors stacked, transformers' fused experts split, FP8 / FP4 weights paired with
+their scales); each rank then reads only its boxes, dequantising only the scale blocks a box covers.
+The result is bitwise what reading the whole folder and copying it in gives
+(tests/models/dsv4/test_hf_sharded.py). Tensors of layers the model does not have (a second MTP
+layer, layers past num_hidden_layers, a draft head such as DeepSeek-V4-Flash-0731's `dspark`) are
+skipped with one logged line; a folder without MTP weights (transformers writes none) leaves the MTP
+block at its initialisation.
 """
 
 from __future__ import annotations
 
-import logging
-from pathlib import Path
-
 import torch
-from torch import nn
 
-from titan_thd.config.jsonfile import read_json_object
-from titan_thd.models.dsv4.hf_config import check_hf
+from titan_thd.models.dsv4.args import DSv4Args
+from titan_thd.models.dsv4.hf_config import args_from_hf_config, hf_config_from_args
 from titan_thd.models.dsv4.hf_dequant import check_quantization_config, quantized_sources
-from titan_thd.models.dsv4.hf_names import stored_to_ours
-from titan_thd.models.dsv4.model import DSv4Model, build_dsv4
-from titan_thd.models.hf.io import (
-    LoadStats,
-    Narrowed,
-    Plain,
-    SafetensorsFolder,
-    Source,
-    Stacked,
-    check_fits,
-    load_sources,
-)
-
-logger = logging.getLogger(__name__)
+from titan_thd.models.dsv4.hf_names import hf_module, reference_items, stored_to_ours
+from titan_thd.models.hf.adapter import HFAdapter
+from titan_thd.models.hf.io import Narrowed, Plain, SafetensorsFolder, Source, Stacked
 
 
-def dsv4_sources(folder: SafetensorsFolder, block: tuple[int, int] | None, where: str) -> dict[str, Source]:
+def dsv4_sources(folder: SafetensorsFolder, config: dict, where: str) -> dict[str, Source]:
     """Our name -> how to read it, for every tensor of the folder (headers only)."""
+    block = check_quantization_config(config, f"{where}/config.json")
     quantized, scales = quantized_sources(folder.tensors, block)
     sources: dict[str, Source] = {}
     experts: dict[str, dict[int, Source]] = {}
@@ -78,52 +66,24 @@ def dsv4_sources(folder: SafetensorsFolder, block: tuple[int, int] | None, where
     return sources
 
 
-def _has_place(key: str, full: nn.Module) -> bool:
-    """Whether the module a key belongs to exists in the model (its top-level module, and the entry
-    of a layer list: `layers.50` or `mtp.1` do not in a 43-layer model with one MTP layer)."""
-    parts = key.split(".")
-    try:
-        top = full.get_submodule(parts[0])
-        if isinstance(top, (nn.ModuleDict, nn.ModuleList)) and len(parts) > 1:
-            full.get_submodule(".".join(parts[:2]))
-    except AttributeError:
-        return False
-    return True
+def args_from_config(config: dict, where: str) -> DSv4Args:
+    """DSv4Args of a folder's config.json, after refusing a quantisation this loader cannot read."""
+    check_quantization_config(config, where)
+    return args_from_hf_config(config, where)
 
 
-def load_hf_into(model: DSv4Model, path: str | Path) -> LoadStats:
-    """Load an HF checkpoint into an allocated model (plain or sharded tensors, or a pipeline stage of
-    it), each rank reading only its slices; config.json must describe the model's architecture
-    (ValueError naming the differing fields, or the file and tensor that do not fit, before anything
-    is written). Returns what this rank read (LoadStats)."""
-    path = Path(path)
-    check_hf(model.args, path)
-    folder = SafetensorsFolder(path)
-    cfg_file = path / "config.json"
-    block = check_quantization_config(read_json_object(cfg_file), str(cfg_file))
-    sources = dsv4_sources(folder, block, str(path))
-    with torch.device("meta"):  # the full model's names and shapes, no memory
-        full = build_dsv4(model.args)
-    expected = {k: tuple(v.shape) for k, v in full.state_dict().items()}
-    extras = sorted(k for k in sources if k not in expected and not _has_place(k, full))
-    if extras:
-        logger.warning(
-            "%s: skipped %d tensors of layers the model does not have (MTP / draft layers), e.g. %s",
-            path,
-            len(extras),
-            ", ".join(sources[k].origin for k in extras[:3]),
-        )
-        sources = {k: v for k, v in sources.items() if k not in extras}
-    mtp = [k for k in expected if k.startswith("mtp.")]
-    optional = mtp if not any(k in sources for k in mtp) else []
-    if check_fits(sources, expected, str(path), "dsv4", optional):
-        logger.warning("%s has no MTP weights; the MTP block keeps its initialisation", path)
-    stats = load_sources(model, sources, folder)
-    logger.info(
-        "%s: loaded %d tensors, read %.1f of the folder's %.1f MB",
-        path,
-        stats.tensors,
-        stats.bytes_read / 1e6,
-        stats.folder_bytes / 1e6,
-    )
-    return stats
+def config_from_args(args: DSv4Args, dtype: torch.dtype, token_ids: dict | None, context: int) -> dict:
+    """transformers' DeepseekV4Config of `args` (`context` unused: the RoPE has no length limit)."""
+    return hf_config_from_args(args, dtype, token_ids)
+
+
+HF = HFAdapter(
+    to_hf=reference_items,
+    sources=dsv4_sources,
+    config_from_args=config_from_args,
+    args_from_config=args_from_config,
+    architecture=DSv4Args.architecture,
+    hf_module=hf_module,
+    optional=("mtp",),
+    skip_unplaced=True,
+)

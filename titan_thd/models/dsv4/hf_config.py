@@ -1,7 +1,6 @@
-"""transformers' DeepseekV4Config <-> DSv4Args (modern and legacy keys, both release layouts).
-
-Also the checks of a folder's config.json against the args (`check_hf`, `hf_args`), which the
-trainer runs before anything is built, and the sharded load (hf_load.py) runs first.
+"""transformers' DeepseekV4Config <-> DSv4Args (modern and legacy keys, both release layouts): the
+adapter's config.json both ways (hf_adapter.py; models/hf/load.py reads the file and checks a flavor
+against it).
 
 The released config.json of DeepSeek-V4-Flash lists 44 `compress_ratios` and that of
 DeepSeek-V4-Flash-0731 46 (with `dspark_*` keys for its speculative-draft head): entries past
@@ -11,15 +10,9 @@ DeepSeek-V4-Flash-0731 46 (with `dspark_*` keys for its speculative-draft head):
 
 from __future__ import annotations
 
-from dataclasses import replace
-from pathlib import Path
-
 import torch
 
-from titan_thd.config.jsonfile import read_json_object
-from titan_thd.models.dsv4.args import DSv4Args, flavors
-from titan_thd.models.dsv4.hf_dequant import check_quantization_config
-from titan_thd.models.hf.io import SafetensorsFolder
+from titan_thd.models.dsv4.args import DSv4Args
 
 _HF_LAYER_TYPES = {
     "sliding_attention": "sliding",
@@ -231,58 +224,3 @@ def hf_config_from_args(
         "hidden_act": "silu",
         **(token_ids or {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}),
     }
-
-
-def match_args(
-    ckpt: DSv4Args, flavor_or_args: str | DSv4Args | None, where: str, name: str = "the given args"
-) -> DSv4Args:
-    """The args to build: the checkpoint's (`flavor_or_args` None), or the flavor's / given ones after
-    checking that their architecture is the checkpoint's (ValueError naming each differing field)."""
-    if flavor_or_args is None:
-        return ckpt
-    if isinstance(flavor_or_args, str):
-        if flavor_or_args not in flavors:
-            raise ValueError(f"dsv4 flavor {flavor_or_args!r} is unknown; expected one of {list(flavors)}")
-        wanted, name = flavors[flavor_or_args], f"flavor {flavor_or_args!r}"
-    else:
-        wanted = flavor_or_args
-    have, want = ckpt.architecture(), wanted.architecture()
-    diffs = [f"{k}: checkpoint {have[k]!r} vs {want[k]!r}" for k in want if have[k] != want[k]]
-    if diffs:
-        raise ValueError(f"{where} does not match {name}: " + "; ".join(diffs))
-    return replace(wanted)
-
-
-def read_hf_config(path: str | Path) -> dict:
-    """config.json of an HF folder; ValueError naming the file (and line) when it is missing or not JSON."""
-    path = Path(path)
-    cfg_file = path / "config.json"
-    if not path.is_dir():
-        raise ValueError(
-            f"{path}: not a folder (expected a Hugging Face folder with config.json + *.safetensors)"
-        )
-    return read_json_object(cfg_file, missing=" (a Hugging Face folder holds config.json)")
-
-
-def hf_args(path: str | Path) -> DSv4Args:
-    """The DSv4Args that the folder's config.json describes (training knobs at their defaults)."""
-    return _ckpt_args(Path(path))
-
-
-def _ckpt_args(path: Path) -> DSv4Args:
-    cfg_file = path / "config.json"
-    cfg = read_hf_config(path)
-    check_quantization_config(cfg, str(cfg_file))
-    try:
-        return args_from_hf_config(cfg, str(cfg_file))
-    except (TypeError, AttributeError) as e:  # e.g. a string where a number or a table belongs
-        raise ValueError(f"{cfg_file}: a value of the wrong type ({e})") from None
-
-
-def check_hf(args: DSv4Args, path: str | Path, name: str = "the given args") -> None:
-    """ValueError unless the HF folder describes `args`' architecture (`name` says where they come from)
-    and its safetensors files are complete (index, headers, sizes); cheap (config.json and the
-    headers), so the trainer calls it before building anything."""
-    path = Path(path)
-    match_args(_ckpt_args(path), args, str(path / "config.json"), name)
-    SafetensorsFolder(path)

@@ -17,13 +17,9 @@ scales, static activation scales, a `quant_method` other than DeepSeek's `fp8`) 
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from titan_thd.models.hf.io import SafetensorsFolder, Source, Stored
-
-logger = logging.getLogger(__name__)
 
 _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 """The 16 FP4 e2m1 codes: bit 3 is the sign, bits 0-2 index 0, 0.5, 1, 1.5, 2, 3, 4, 6."""
@@ -105,24 +101,10 @@ def _expand(scale: torch.Tensor, bm: int, bn: int, r0: int, c0: int, rows: int, 
     return s[..., c0 - c0 // bn * bn : c0 - c0 // bn * bn + cols]
 
 
-def dequantize_tensor(
-    key: str, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None
-) -> torch.Tensor:
-    """float32 weight of a quantised `weight` and its per-block `scale` grid (ValueError naming `key`)."""
-    values = _unpack_fp4(weight) if weight.dtype in _PACKED else weight.float()
-    if values.dim() < 2 or scale.dim() != values.dim() or scale.shape[:-2] != values.shape[:-2]:
-        raise ValueError(
-            f"{key}: scale grid {tuple(scale.shape)} does not fit the weight {tuple(values.shape)}"
-        )
-    rows, cols = values.shape[-2:]
-    bm, bn = block_shape(key, rows, cols, tuple(scale.shape[-2:]), block)
-    return values * _expand(scale, bm, bn, 0, 0, rows, cols)
-
-
 class Quantized(Source):
     """A block-quantised weight and its scale grid in a folder: a box reads the codes it covers and
-    the grid's blocks that cover those (value x scale in float32, exactly what `dequantize_tensor`
-    computes for these elements)."""
+    the grid's blocks that cover those: each element the stored code times the scale of its block,
+    in float32."""
 
     def __init__(self, weight: Stored, scale: Stored, block: tuple[int, int] | None):
         packed = weight.dtype in _PACKED
@@ -180,42 +162,3 @@ def quantized_sources(
             "float8_e4m3fn and packed FP4 (int8 / uint8 with a scale) weights are dequantised"
         )
     return out, scales
-
-
-def dequantize_state(
-    state: dict[str, torch.Tensor], block: tuple[int, int] | None, where: str
-) -> dict[str, torch.Tensor]:
-    """`state` with every quantised weight replaced by its float32 value and the scales it consumed
-    removed; other tensors are untouched. ValueError for a low-precision tensor without its scale or a
-    scheme that is not DeepSeek's."""
-    foreign = [k for k in state if k.endswith(_FOREIGN_SUFFIXES)]
-    if foreign:
-        raise ValueError(
-            f"{where}: {len(foreign)} tensors of a quantisation scheme this loader does not read "
-            f"(NVFP4 / static activation scales), e.g. {foreign[:3]}; dequantise the checkpoint first"
-        )
-    pairs = {}  # quantised weight -> its scale
-    for key, value in state.items():
-        scale_key = _scale_key(state, key)
-        if scale_key is not None and (value.dtype == torch.float8_e4m3fn or value.dtype in _PACKED):
-            pairs[key] = scale_key
-    scales = set(pairs.values())
-    for key, value in state.items():
-        if key in pairs or key in scales or value.element_size() != 1:
-            continue
-        if value.dtype == torch.float8_e4m3fn or value.dtype in _PACKED:
-            raise ValueError(f"{where}: {key} is quantised but has no scale (.scale or .weight_scale_inv)")
-        raise ValueError(
-            f"{where}: {key} is {str(value.dtype).removeprefix('torch.')}; only float8_e4m3fn and packed "
-            "FP4 (int8 / uint8 with a scale) weights are dequantised"
-        )
-    out = {k: v for k, v in state.items() if k not in scales}
-    for key, scale_key in pairs.items():
-        try:
-            out[key] = dequantize_tensor(key, state[key], state[scale_key], block)
-        except ValueError as e:
-            raise ValueError(f"{where}: {e}") from None
-    done = len(pairs)
-    if done:
-        logger.info("%s: dequantised %d block-quantised weights to float32", where, done)
-    return out

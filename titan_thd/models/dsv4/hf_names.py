@@ -9,7 +9,8 @@
                ...mlp.experts.down_proj [E, d, F] (= our w2); it never instantiates MTP.
 
 Whole state dicts map with `to_ours` / `to_reference`; one stored name at a time with `stored_to_ours`
-(the sharded loader, hf_load.py) and one of our tensors at a time with `reference_items` (the export).
+(the sharded load, hf_adapter.py), one of our tensors at a time with `reference_items` (the export)
+and one of our modules with `hf_module` (transformers' module: PEFT's names).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import re
 from collections.abc import Iterator
 
 import torch
+
+from titan_thd.models.hf.adapter import rename
 
 _TRANSFORMERS_TO_REFERENCE = [
     (r"^model\.", ""),
@@ -63,12 +66,35 @@ _OURS_TO_REFERENCE = [
 _FUSED_EXPERTS = re.compile(r"^(.*\.ffn\.experts)\.(gate_up_proj|down_proj)$")
 _PER_EXPERT = re.compile(r"^(.*\.ffn\.experts)\.(\d+)\.(w[123])\.weight$")
 _STACKED = re.compile(r"^(.*\.ffn\.experts)\.(w[123])$")
-
-
-def _rename(key: str, rules: list[tuple[str, str]]) -> str:
-    for pattern, repl in rules:
-        key = re.sub(pattern, repl, key)
-    return key
+# Our module paths (a dot appended) -> transformers' module paths: the indexer's compressor is
+# transformers' indexer itself, which sits inside the attention's compressor.
+_OURS_TO_TRANSFORMERS = [
+    (r"^embed\.$", "model.embed_tokens."),
+    (r"^head\.$", "lm_head."),
+    (r"^(norm|hc_head|layers)\.", r"model.\1."),
+    (r"\.attn_norm\.$", ".input_layernorm."),
+    (r"\.ffn_norm\.$", ".post_attention_layernorm."),
+    (r"\.hc_(attn|ffn)\.$", r".\1_hc."),
+    (r"\.attn\.indexer\.compressor\.", ".attn.indexer."),
+    (r"\.attn\.indexer\.wq_b\.$", ".attn.indexer.q_b_proj."),
+    (r"\.attn\.indexer\.weights_proj\.$", ".attn.indexer.scorer.weights_proj."),
+    (r"\.attn\.indexer\.", ".attn.compressor.indexer."),
+    (r"\.wkv\.$", ".kv_proj."),
+    (r"\.wgate\.$", ".gate_proj."),
+    (r"\.(compressor|indexer)\.norm\.$", r".\1.kv_norm."),
+    (r"\.attn\.wq_a\.$", ".attn.q_a_proj."),
+    (r"\.attn\.q_norm\.$", ".attn.q_a_norm."),
+    (r"\.attn\.wq_b\.$", ".attn.q_b_proj."),
+    (r"\.attn\.wo_a\.$", ".attn.o_a_proj."),
+    (r"\.attn\.wo_b\.$", ".attn.o_b_proj."),
+    (r"\.shared_experts\.w1\.$", ".shared_experts.gate_proj."),
+    (r"\.shared_experts\.w3\.$", ".shared_experts.up_proj."),
+    (r"\.shared_experts\.w2\.$", ".shared_experts.down_proj."),
+    (r"\.experts\.w[13]\.$", ".experts.gate_up_proj."),
+    (r"\.experts\.w2\.$", ".experts.down_proj."),
+    (r"\.attn\.", ".self_attn."),
+    (r"\.ffn\.", ".mlp."),
+]
 
 
 def stack_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -113,7 +139,7 @@ def to_ours(hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     the per-expert (or fused) routed experts stacked to [E, out, in]."""
     out: dict[str, torch.Tensor] = {}
     for key, value in hf_state.items():
-        key = _rename(key, _TRANSFORMERS_TO_REFERENCE)
+        key = rename(key, _TRANSFORMERS_TO_REFERENCE)
         fused = _FUSED_EXPERTS.match(key)
         if fused:
             prefix, kind = fused.groups()
@@ -122,20 +148,20 @@ def to_ours(hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             else:
                 out[f"{prefix}.w1"], out[f"{prefix}.w3"] = value.chunk(2, dim=1)
             continue
-        out[_rename(key, _REFERENCE_TO_OURS)] = value
+        out[rename(key, _REFERENCE_TO_OURS)] = value
     return stack_experts(out)
 
 
 def to_reference(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Our names -> the reference (DeepSeek release) names: one tensor per routed expert."""
-    return {_rename(k, _OURS_TO_REFERENCE): v for k, v in split_experts(state).items()}
+    return {rename(k, _OURS_TO_REFERENCE): v for k, v in split_experts(state).items()}
 
 
 def stored_to_ours(name: str) -> tuple[str, int | None, int | None]:
     """(our name, expert id or None, part or None) of one stored tensor name: a per-expert tensor is
     expert `e` of our stack; transformers' fused `gate_up_proj` is our w1 (part 0) and w3 (part 1),
     halves of its dim 1, and returned as `<prefix>.w1` with part None (the caller splits it)."""
-    key = _rename(name, _TRANSFORMERS_TO_REFERENCE)
+    key = rename(name, _TRANSFORMERS_TO_REFERENCE)
     fused = _FUSED_EXPERTS.match(key)
     if fused:
         prefix, kind = fused.groups()
@@ -144,19 +170,26 @@ def stored_to_ours(name: str) -> tuple[str, int | None, int | None]:
     if single:
         prefix, e, w = single.groups()
         return f"{prefix}.{w}", int(e), None
-    return _rename(key, _REFERENCE_TO_OURS), None, None
+    return rename(key, _REFERENCE_TO_OURS), None, None
 
 
-def reference_items(
-    key: str, value: torch.Tensor, dtype: torch.dtype | None
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """(reference name, tensor) of one of our tensors, an expert stack one expert at a time (each a
-    copy in `dtype`: safetensors refuses tensors that share storage)."""
+def reference_items(key: str, value: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    """(reference name, tensor) of one of our tensors, an expert stack one expert at a time (views:
+    the export copies each)."""
     stacked = _STACKED.match(key)
-    cast = dtype if dtype is not None and value.is_floating_point() else value.dtype
     if stacked:
         prefix, name = stacked.groups()
         for e in range(value.shape[0]):
-            yield f"{prefix}.{e}.{name}.weight", value[e].to(cast, copy=True)
+            yield f"{prefix}.{e}.{name}.weight", value[e]
     else:
-        yield _rename(key, _OURS_TO_REFERENCE), value.to(cast).contiguous()
+        yield rename(key, _OURS_TO_REFERENCE), value
+
+
+def hf_module(ours: str) -> str:
+    """transformers' module path of one of our modules (`layers.3.attn.wq_a` ->
+    `model.layers.3.self_attn.q_a_proj`); an expert stack by parameter, as transformers' fused
+    parameters (`layers.3.ffn.experts.w1` and `.w3` -> `model.layers.3.mlp.experts.gate_up_proj`,
+    `.w2` -> `...down_proj`). ValueError for the MTP block (transformers has none)."""
+    if ours.split(".")[0] not in ("embed", "head", "norm", "hc_head", "layers"):
+        raise ValueError(f"dsv4: {ours!r} has no transformers module (DeepseekV4ForCausalLM has no MTP)")
+    return rename(ours + ".", _OURS_TO_TRANSFORMERS)[:-1]

@@ -4,10 +4,10 @@ import dataclasses
 
 from titan_thd.models.llama.args import LlamaArgs, flavors, flops_per_step
 from titan_thd.models.llama.decode import LlamaDecoder
-from titan_thd.models.llama.hf_interop import export_hf_from
+from titan_thd.models.llama.hf_adapter import HF
 from titan_thd.models.llama.model import Llama, build_llama, padded_logits
 from titan_thd.models.llama.parallelize import AC_REGIONS, apply_compile, parallelize_llama, tp_divides
-from titan_thd.models.spec import ModelSpec, PipelineSpec
+from titan_thd.models.spec import CompileSpec, ModelSpec, ParallelSpec, PipelineSpec
 
 
 def narrow(args: LlamaArgs, f: int) -> tuple[LlamaArgs, list[int]]:
@@ -27,8 +27,12 @@ spec = ModelSpec(
     default_flavor="debug",
     build=build_llama,
     flops_per_step=flops_per_step,
-    # Only the zigzag split balances causal attention (titan_thd.ops.cp_attention).
-    cp_mode="zigzag",
+    parallel=ParallelSpec(
+        # Only the zigzag split balances causal attention (titan_thd.ops.cp_attention).
+        cp_mode="zigzag",
+        tp_divides=tp_divides,
+        te_attention=lambda args: args.attention_backend == "te",
+    ),
     parallelize=parallelize_llama,
     ac_regions=AC_REGIONS,
     pipeline=PipelineSpec(
@@ -38,13 +42,11 @@ spec = ModelSpec(
     ),
     padded_forward=padded_logits,
     decoder=LlamaDecoder,
-    export_hf=export_hf_from,
-    tp_divides=tp_divides,
+    hf=HF,
     narrow=narrow,
-    compile=apply_compile,
     # Its one region (the SwiGLU) measured 1.01x per step (benchmarks/bench_llama_vs_torchtitan.py
     # --compile, docs/results.md §5): `auto` never compiles it.
-    compile_payback_steps=0,
+    compile=CompileSpec(apply_compile, payback_steps=0),
 )
 
 __all__ = ["Llama", "LlamaArgs", "build_llama", "flavors", "flops_per_step", "parallelize_llama", "spec"]
