@@ -114,8 +114,9 @@ class MuonSplit(Protocol):
 
 
 def build_optimizers(model: nn.Module, cfg: OptimizerConfig, spec: MuonSplit) -> OptimizersContainer:
-    """AdamW over every parameter, or (`optimizer.name = muon`) Muon over the model's matrices."""
-    params = dict(model.named_parameters())
+    """AdamW over every trainable parameter, or (`optimizer.name = muon`) Muon over the model's
+    matrices. A frozen parameter (a LoRA run's base, lora/) gets no optimizer state."""
+    params = {name: p for name, p in model.named_parameters() if p.requires_grad}
     if cfg.name == "adamw":
         return OptimizersContainer(model, [_adamw(list(params.values()), cfg)])
     assert cfg.name == "muon", cfg.name

@@ -167,7 +167,7 @@ def estimate_memory_per_rank(
     """Parameter, gradient and optimizer-state bytes on the most loaded rank (fsdp rank 0).
 
     Works on a full, a sharded (DTensor shapes are global) or a meta model. Master weights,
-    gradients and optimizer state are in the master dtype (`precision`, or one dtype for all);
+    gradients and optimizer state (of the trainable parameters only) are in the master dtype (`precision`, or one dtype for all);
     AdamW keeps two states per parameter, Muon one for the parameters named in `muon_params`
     (AdamW for the rest). Under pipeline parallelism pass one stage's module: FSDP then also
     keeps the stage's parameters gathered (compute dtype) and their gradients accumulated
@@ -183,7 +183,7 @@ def estimate_memory_per_rank(
         master, compute, reduce = precision.master, precision.compute, precision.reduce
     d = parallel_dims
     shards = d.fsdp_degree if d.fsdp_enabled else 1
-    params = states = stage = 0
+    params = trained = states = stage = stage_trained = 0
     for name, p in model.named_parameters():
         if isinstance(p, DTensor):
             # A sharded parameter's own placements (expert-parallel experts: ep x efsdp); what FSDP
@@ -198,14 +198,17 @@ def estimate_memory_per_rank(
             sharded_by_fsdp = d.fsdp_enabled or compute != master or expert
             unsharded = p.numel() // (d.ep if expert else 1) if sharded_by_fsdp else 0
         params += n
-        states += n * (1 if optimizer == "muon" and name in muon_params else 2)
         stage += unsharded if d.pp_enabled else 0
+        if p.requires_grad:  # a frozen parameter (a LoRA run's base) has no gradient, no state
+            trained += n
+            states += n * (1 if optimizer == "muon" and name in muon_params else 2)
+            stage_trained += unsharded if d.pp_enabled else 0
     return MemoryEstimate(
         params,
         params * master.itemsize,
-        params * master.itemsize,
+        trained * master.itemsize,
         states * master.itemsize,
         stage,
         stage * compute.itemsize,
-        stage * reduce.itemsize,
+        stage_trained * reduce.itemsize,
     )

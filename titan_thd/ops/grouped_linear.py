@@ -40,9 +40,16 @@ def _padded(x_NC: torch.Tensor, slot: torch.Tensor, groups: int, width: int) -> 
     return out.view(groups, width, -1)
 
 
+def _kernel_takes(*widths_and_dtype) -> bool:
+    """Whether F.grouped_mm takes these operands: its dtypes, and rows of a multiple of 16 bytes (a
+    LoRA adapter of rank 2 in float32 is 8 bytes wide: the padded batched product runs it instead)."""
+    *widths, dtype = widths_and_dtype
+    return dtype in _GROUPED_DTYPES and all(w * dtype.itemsize % 16 == 0 for w in widths)
+
+
 def grouped_mm(h_NI: torch.Tensor, w_GIO: torch.Tensor, counts: list[int]) -> torch.Tensor:
     """[N, I] rows grouped by `counts` times their group's [I, O] matrix -> [N, O]."""
-    if h_NI.dtype in _GROUPED_DTYPES:
+    if _kernel_takes(h_NI.shape[1], w_GIO.shape[2], h_NI.dtype):
         return F.grouped_mm(h_NI, w_GIO, offs=_offsets(counts, h_NI.device))
     slot, width = _padded_slots(counts, h_NI.device)
     out = torch.bmm(_padded(h_NI, slot, len(counts), width), w_GIO)
@@ -51,7 +58,7 @@ def grouped_mm(h_NI: torch.Tensor, w_GIO: torch.Tensor, counts: list[int]) -> to
 
 def grouped_weight_grad(g_NO: torch.Tensor, h_NI: torch.Tensor, counts: list[int]) -> torch.Tensor:
     """Per group g: g_g^T h_g, the [O, I] gradient of its weight -> [G, O, I]."""
-    if h_NI.dtype in _GROUPED_DTYPES:
+    if _kernel_takes(h_NI.shape[1], g_NO.shape[1], h_NI.dtype):
         return F.grouped_mm(g_NO.t(), h_NI, offs=_offsets(counts, h_NI.device))
     slot, width = _padded_slots(counts, h_NI.device)
     g, h = _padded(g_NO, slot, len(counts), width), _padded(h_NI, slot, len(counts), width)
