@@ -157,3 +157,16 @@ def test_adapter_gradients_equal_autograd_through_merged_weights():
         got = model.get_parameter(name).grad
         assert got is not None and _relative(got, ref.grad) < 1e-10, name
     assert all(p.grad is None for n, p in model.named_parameters() if not is_adapter(n))
+
+
+def test_help_lists_every_family_target():
+    from titan_thd.config.schema import field_docs
+    from titan_thd.models import get_model_spec
+
+    doc = field_docs()["lora.targets"]
+    for family in ("dsv4", "llama"):
+        targets = get_model_spec(family).lora
+        section = doc.split(f"{family}:", 1)[1]
+        for name in targets.choices():
+            # qualified names may be abbreviated after the first of a group (`shared_expert.w1, .w3`)
+            assert name in section or f".{name.split('.')[-1]}" in section, (family, name)

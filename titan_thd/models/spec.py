@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from titan_thd.lora.targets import LoRATargets
 from titan_thd.models.decoding import Decoder
 from titan_thd.models.hf.adapter import HFAdapter
 from titan_thd.parallel.context_parallel import CPMode
@@ -146,6 +147,9 @@ class ModelSpec:
     compile: CompileSpec | None = None
     """training.compile's regional compile and when `auto` turns it on; None = training.compile = true
     is refused at start-up."""
+    lora: LoRATargets | None = None
+    """The projections `[lora]` may adapt, by exact path inside a block, and their groups
+    (lora/targets.py); None = lora.enable = true is refused."""
 
 
 def build_initialised(make: Callable[[], nn.Module]) -> nn.Module:

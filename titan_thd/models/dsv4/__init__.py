@@ -19,6 +19,7 @@ from titan_thd.models.dsv4.args import CP_MODE, DSv4Args, flavors
 from titan_thd.models.dsv4.decode import DSv4Decoder
 from titan_thd.models.dsv4.flops import flops_per_step
 from titan_thd.models.dsv4.hf_adapter import HF
+from titan_thd.models.dsv4.lora_targets import LORA
 from titan_thd.models.dsv4.model import DSv4Model, build_dsv4, per_document_logits
 from titan_thd.models.dsv4.parallelize import (
     AC_REGIONS,
@@ -109,6 +110,7 @@ spec = ModelSpec(
     # 1.12-1.20x (alternating steps in one process) per step of ~3.5 s on a 2-core EPYC
     # (docs/dsv4.md §18): it pays back after 50-300 steps.
     compile=CompileSpec(apply_compile, payback_steps=300),
+    lora=LORA,
 )
 
 

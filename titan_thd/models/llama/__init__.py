@@ -5,6 +5,7 @@ import dataclasses
 from titan_thd.models.llama.args import LlamaArgs, flavors, flops_per_step
 from titan_thd.models.llama.decode import LlamaDecoder
 from titan_thd.models.llama.hf_adapter import HF
+from titan_thd.models.llama.lora_targets import LORA
 from titan_thd.models.llama.model import Llama, build_llama, padded_logits
 from titan_thd.models.llama.parallelize import AC_REGIONS, apply_compile, parallelize_llama, tp_divides
 from titan_thd.models.spec import CompileSpec, ModelSpec, ParallelSpec, PipelineSpec
@@ -47,6 +48,7 @@ spec = ModelSpec(
     # Its one region (the SwiGLU) measured 1.01x per step (benchmarks/bench_llama_vs_torchtitan.py
     # --compile, docs/results.md §5): `auto` never compiles it.
     compile=CompileSpec(apply_compile, payback_steps=0),
+    lora=LORA,
 )
 
 __all__ = ["Llama", "LlamaArgs", "build_llama", "flavors", "flops_per_step", "parallelize_llama", "spec"]
