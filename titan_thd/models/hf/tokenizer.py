@@ -1,7 +1,7 @@
 """What a Hugging Face export needs of the run's tokenizer: its files and its special-token ids.
 
-Both model families' exports (dsv4/hf_interop.py, llama/hf_interop.py) call `write_tokenizer` and put
-`special_token_ids` into config.json and generation_config.json, so that
+The export of every model family (hf/export.py) calls `write_tokenizer` and puts `special_token_ids`
+into config.json and generation_config.json, so that
 `AutoTokenizer.from_pretrained(out)` encodes like the trainer and `model.generate` stops at the end of
 an assistant turn:
 
