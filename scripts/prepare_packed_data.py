@@ -44,8 +44,7 @@ from titan_thd.data.packer import padded_lengths
 from titan_thd.data.token_store import build_token_store
 from titan_thd.data.tokenizer import build_tokenizer
 from titan_thd.models import get_model_spec
-from titan_thd.parallel.context_parallel import resolve_mode
-from titan_thd.startup import default_pad_to_multiple
+from titan_thd.parallel.context_parallel import default_pad_to_multiple, resolve_mode
 
 HISTOGRAM_FILE = "length_histogram.png"
 
@@ -113,7 +112,9 @@ def main(argv: list[str] | None = None) -> dict:
     seed = cfg.training.seed if args.seed is None else args.seed
     if data.pad_to_multiple == 0:  # what the run's CP mode needs, as the trainer derives it
         p = cfg.parallelism
-        mode = resolve_mode(p.context_parallel_mode, cfg.model.name, get_model_spec(cfg.model.name).parallel.cp_mode)
+        mode = resolve_mode(
+            p.context_parallel_mode, cfg.model.name, get_model_spec(cfg.model.name).parallel.cp_mode
+        )
         data = dataclasses.replace(
             data, pad_to_multiple=default_pad_to_multiple(p.context_parallel_degree, mode)
         )

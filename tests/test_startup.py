@@ -1,8 +1,11 @@
 """Start-up decides the run once (titan_thd/startup.py): `resolve_run` returns a frozen `Run` and never
-writes the config; nothing after it reads the raw fields it resolves, or writes any config field."""
+writes the config; nothing after it reads the raw fields it resolves, or writes any config field; the
+Trainer keeps no copy of a `Run` field (it reads `self.run.<field>`), and its attribute legend lists
+exactly the attributes it sets."""
 
 from __future__ import annotations
 
+import ast
 import copy
 import dataclasses
 import re
@@ -11,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from titan_thd.config import load_config
+from titan_thd.run import Run
 from titan_thd.startup import resolve_run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -102,11 +106,80 @@ def test_nothing_after_start_up_reads_a_field_it_resolves_or_writes_the_config()
     assert not writes, f"the config is written after loading: {writes}"
 
 
+RUN_FIELDS = {f.name for f in dataclasses.fields(Run)}
+
+
+def _run_field(node: ast.AST) -> str | None:
+    """The Run field an expression reads as it is, `run.<field>...` or `self.run.<field>...`, else None."""
+    chain = []
+    while isinstance(node, ast.Attribute):
+        chain.append(node.attr)
+        node = node.value
+    chain.reverse()
+    if isinstance(node, ast.Name) and node.id == "self" and chain[:1] == ["run"]:
+        chain = chain[1:]
+    elif not (isinstance(node, ast.Name) and node.id == "run"):
+        return None
+    return chain[0] if chain and chain[0] in RUN_FIELDS else None
+
+
+def _run_copies(path: Path) -> list[int]:
+    """Lines that copy a Run field onto `self`: `self.spec = run.spec`, `self.a, self.b = run.a, run.b`,
+    `self.t = self.run.cfg.training` (a second holder of a decision that `run` holds)."""
+    lines = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.Assign):
+            continue
+        for target in node.targets:
+            pairs = [(target, node.value)]
+            if isinstance(target, ast.Tuple) and isinstance(node.value, ast.Tuple):
+                pairs = list(zip(target.elts, node.value.elts, strict=False))
+            for t, v in pairs:
+                on_self = (
+                    isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"
+                )
+                if on_self and t.attr != "run" and _run_field(v) is not None:
+                    lines.append(node.lineno)
+    return sorted(set(lines))
+
+
+def test_the_trainer_keeps_no_copy_of_a_run_field():
+    copies = _run_copies(ROOT / "titan_thd" / "train.py")
+    assert not copies, (
+        f"titan_thd/train.py copies Run fields onto the Trainer (read self.run.<field>): lines {copies}"
+    )
+
+
+def test_the_trainer_legend_lists_exactly_its_attributes():
+    """The annotations at the top of `Trainer` are its table of contents: every attribute a method sets
+    is listed there, and nothing else is."""
+    tree = ast.parse((ROOT / "titan_thd" / "train.py").read_text())
+    (trainer,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Trainer"]
+    legend = {
+        n.target.id for n in trainer.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
+    }
+    set_ = {
+        t.attr
+        for n in ast.walk(trainer)
+        if isinstance(n, (ast.Assign, ast.AnnAssign, ast.AugAssign))
+        for target in (n.targets if isinstance(n, ast.Assign) else [n.target])
+        for t in (target.elts if isinstance(target, ast.Tuple) else [target])
+        if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"
+    }
+    assert "run" in legend and "step" in set_  # the probe reads what it should
+    assert legend == set_, (
+        f"set but not in the legend: {sorted(set_ - legend)}; listed, never set: {sorted(legend - set_)}"
+    )
+
+
 def test_the_guards_catch_what_they_look_for(tmp_path):
     probe = tmp_path / "probe.py"
     probe.write_text(
         'x = run.flavor  # fine\ny = cfg.model.flavor\ncfg.data.pad_to_multiple = 4\nmsg = "cfg.model.flavor"\n'
+        "self.spec = run.spec\nself.run, cfg = run, run.cfg  # fine: the run itself, a local\n"
+        "self.a, self.dims = 1, run.dims\nself.t = self.run.cfg.training\nself.memory = plan_memory(run)  # fine\n"
     )
     lines = dict(_code_lines(probe))
     assert [n for n, c in lines.items() if _RAW_READ.search(c)] == [2, 3]
     assert [n for n, c in lines.items() if _WRITE.search(c)] == [3]
+    assert _run_copies(probe) == [5, 7, 8]

@@ -14,8 +14,9 @@ from tests.models.dsv4._util import assert_loaded_and_first_ce
 from titan_thd.config import load_config
 from titan_thd.data.batch_meta import BatchMeta
 from titan_thd.data.packed_batch import IGNORE_INDEX
+from titan_thd.data.plan import attention_cost_weight
 from titan_thd.models.dsv4 import build_dsv4, export_hf, flavors
-from titan_thd.startup import attention_cost_weight
+from titan_thd.startup import resolve_run
 from titan_thd.train import Trainer
 
 
@@ -28,7 +29,7 @@ def trainer(tmp_path_factory):
     # One thread: on a shared 2-core machine two threads per process are often far slower.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    t = Trainer(_cfg(tmp_path_factory.mktemp("run")))
+    t = Trainer(resolve_run(_cfg(tmp_path_factory.mktemp("run"))))
     yield t
     t.close()
     torch.set_num_threads(threads)
@@ -67,15 +68,15 @@ def test_loss_is_global_token_mean_over_microbatches(trainer):
 def test_the_run_folder_holds_the_tokenizer_it_trains_with(trainer):
     from titan_thd.data.tokenizer import HFTokenizer
 
-    saved = HFTokenizer(Path(trainer.cfg.job.dump_folder) / "tokenizer" / "tokenizer.json")
+    saved = HFTokenizer(Path(trainer.run.cfg.job.dump_folder) / "tokenizer" / "tokenizer.json")
     text = "What is 12 + 30?"
-    assert saved.encode(text) == trainer.tokenizer.encode(text)
-    assert saved.special_ids == trainer.tokenizer.special_ids
+    assert saved.encode(text) == trainer.run.tokenizer.encode(text)
+    assert saved.special_ids == trainer.run.tokenizer.special_ids
 
 
 def test_vocab_rounded_and_train_step_runs(trainer):
-    assert trainer.model_args.vocab_size % 64 == 0
-    assert trainer.model_args.vocab_size >= trainer.tokenizer.vocab_size
+    assert trainer.run.model_args.vocab_size % 64 == 0
+    assert trainer.run.model_args.vocab_size >= trainer.run.tokenizer.vocab_size
     out = trainer.train_step(next(trainer.dataloader))
     assert set(out) >= {"loss", "grad_norm", "lr"}
     assert 0 < out["loss"] < 10 and out["grad_norm"] > 0
@@ -103,8 +104,8 @@ def test_a_run_beyond_the_hosts_memory_is_refused_with_the_numbers(trainer, monk
 
 def test_attention_cost_weight_reads_the_flops_formula(trainer):
     """flops(L) = a (L + b L^2) for one document: b is the planner's weight of sum(len^2)."""
-    spec, args = trainer.spec, trainer.model_args
-    b = attention_cost_weight(spec, args)
+    spec, args = trainer.run.spec, trainer.run.model_args
+    b = attention_cost_weight(spec.flops_per_step, args)
     f1 = spec.flops_per_step(args, [1])
     for L in (100, 3000):
         assert spec.flops_per_step(args, [L]) == pytest.approx(f1 * (L + b * L * L) / (1 + b), rel=1e-9)
@@ -202,7 +203,7 @@ def test_attention_cost_weight_reads_the_flops_formula(trainer):
 def test_user_errors_before_any_process_group(tmp_path, monkeypatch, world, overrides, message):
     monkeypatch.setenv("WORLD_SIZE", world)
     with pytest.raises(ValueError, match=message):
-        Trainer(_cfg(tmp_path, *overrides))
+        Trainer(resolve_run(_cfg(tmp_path, *overrides)))
     assert not torch.distributed.is_initialized()
 
 
@@ -226,7 +227,7 @@ def _dsv4_cfg(tmp_path, hf_path, flavor="micro"):
 
 def test_hf_checkpoint_initialises_the_trainer_model(tmp_path, hf_checkpoint):
     reference, path = hf_checkpoint
-    trainer = Trainer(_dsv4_cfg(tmp_path, path))
+    trainer = Trainer(resolve_run(_dsv4_cfg(tmp_path, path)))
     try:
         # The first logged loss is the exported model's loss on the first step's batch.
         ce = assert_loaded_and_first_ce(trainer, reference)
@@ -248,12 +249,12 @@ def test_hf_checkpoint_of_another_architecture_or_vocab_is_refused(tmp_path, hf_
         ValueError,
         match=r"config.json does not match model.flavor = 'tiny': .*dim: checkpoint 128 vs",
     ):
-        Trainer(_dsv4_cfg(tmp_path, path, flavor="tiny"))
+        Trainer(resolve_run(_dsv4_cfg(tmp_path, path, flavor="tiny")))
     small = tmp_path / "small_vocab"
     small.mkdir()
     (small / "config.json").write_text(json.dumps({"vocab_size": 100}))
     with pytest.raises(ValueError, match=r"vocab_size = 100, fewer rows than the tokenizer's 264 ids"):
-        Trainer(_dsv4_cfg(tmp_path, small))
+        Trainer(resolve_run(_dsv4_cfg(tmp_path, small)))
 
 
 @pytest.mark.parametrize("model", ["llama", "dsv4"])
@@ -272,7 +273,7 @@ def test_trimmed_microbatches_train_exactly_like_full_ones(tmp_path, tiny_llama,
                 *("--model.name", model, *flavor, "--training.dtype", "float64"),
                 *("--data.trim_padding", trim, "--metrics.peak_tflops", "1"),
             )
-            t = Trainer(cfg)
+            t = Trainer(resolve_run(cfg))
             try:
                 batches = [next(t.dataloader) for _ in range(2)]
                 results = [t.train_step(b) for b in batches]

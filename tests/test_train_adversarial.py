@@ -24,6 +24,7 @@ import pytest
 from tests import _tiny_llama
 from tests._dist import spawn
 from titan_thd.config import load_config
+from titan_thd.startup import resolve_run
 from titan_thd.train import Trainer
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
@@ -72,7 +73,7 @@ def args(model: str, dump: Path, lengths: Path, *extra: str) -> list[str]:
 
 
 def train(argv: list[str]) -> list[dict]:
-    trainer = Trainer(load_config(argv))
+    trainer = Trainer(resolve_run(load_config(argv)))
     try:
         trainer.train()
     finally:

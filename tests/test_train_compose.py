@@ -34,6 +34,7 @@ from tests import _tiny_llama
 from tests._dist import spawn
 from tests.test_train_layouts import records
 from titan_thd.config import load_config
+from titan_thd.startup import resolve_run
 from titan_thd.train import Trainer
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
@@ -108,7 +109,7 @@ def config(dump: Path, model: str, steps: int, *extra: str):
 
 
 def run(dump: Path, model: str, steps: int, *extra: str) -> Trainer:
-    trainer = Trainer(config(dump, model, steps, *extra))
+    trainer = Trainer(resolve_run(config(dump, model, steps, *extra)))
     try:
         trainer.train()
     finally:

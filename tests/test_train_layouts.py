@@ -30,6 +30,7 @@ from tests import _tiny_llama
 from tests._dist import spawn
 from tests.conftest import TRAIN_ARGS
 from titan_thd.config import load_config
+from titan_thd.startup import resolve_run
 from titan_thd.train import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,7 +81,7 @@ def config(dump: Path, steps: int, *extra: str):
 
 def run(cfg, grad_steps: int = 0) -> list[dict[str, torch.Tensor]]:
     """Train `cfg`; the full gradients before each of the first `grad_steps` optimizer steps."""
-    trainer = Trainer(cfg)
+    trainer = Trainer(resolve_run(cfg))
     grads: list[dict[str, torch.Tensor]] = []
     optimizer_step = trainer.optimizers.step
 
@@ -226,11 +227,11 @@ def test_a_dp2_checkpoint_loads_into_one_process_for_generation(dp1, dp2):
 
 def test_bad_checkpoints_through_the_trainer(dp1):
     dump = dp1[0]["split"]
-    trainer = Trainer(config(dump, STEPS, "--checkpoint.load_step", "3"))
+    trainer = Trainer(resolve_run(config(dump, STEPS, "--checkpoint.load_step", "3")))
     with pytest.raises(ValueError, match=rf"load_step = 3: .*steps found in .*: {SPLIT}, {STEPS}$"):
         trainer.train()
     trainer.close()
-    trainer = Trainer(config(dump, STEPS, "--model.flavor", "debug"))
+    trainer = Trainer(resolve_run(config(dump, STEPS, "--model.flavor", "debug")))
     with pytest.raises(ValueError, match="saved from another model") as err:
         trainer.train()
     trainer.close()

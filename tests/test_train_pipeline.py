@@ -33,6 +33,7 @@ from tests import _tiny_llama
 from tests._dist import spawn
 from tests.test_train_layouts import records
 from titan_thd.config import load_config
+from titan_thd.startup import resolve_run
 from titan_thd.train import Trainer
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
@@ -88,7 +89,7 @@ def config(dump: Path, optimizer: str, *extra: str):
 
 
 def run(cfg) -> None:
-    trainer = Trainer(cfg)
+    trainer = Trainer(resolve_run(cfg))
     try:
         trainer.train()
     finally:
@@ -366,7 +367,7 @@ def _refusal_pp2(rank: int, world_size: int, dump: Path):
     from titan_thd.parallel import distributed as dist_utils
 
     _env(rank, world_size)
-    trainer = Trainer(config(dump, "adamw", "--parallelism.pipeline_parallel_degree", "2"))
+    trainer = Trainer(resolve_run(config(dump, "adamw", "--parallelism.pipeline_parallel_degree", "2")))
     try:
         plan = dist_utils.broadcast_object(trainer.memory)  # rank 0's: the one the refusal reads
         need = plan.host_bytes(2)

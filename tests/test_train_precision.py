@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor
 
 from tests.conftest import TRAIN_ARGS
 from titan_thd.config import load_config
+from titan_thd.startup import resolve_run
 from titan_thd.train import Trainer
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
@@ -89,7 +90,7 @@ def one_small_step(dump: Path, *precision: str) -> tuple[int, int, int]:
         "--training.max_norm",
         "0",
     )
-    trainer = Trainer(cfg)
+    trainer = Trainer(resolve_run(cfg))
     try:
         before = {n: full(p) for n, p in trainer.model.named_parameters()}
         grads: dict[str, torch.Tensor] = {}
@@ -131,7 +132,7 @@ def test_dtypes_at_each_place(tiny, tmp_path):
     """Master weights, gradients and AdamW state float32 (sharded, on a mesh of one rank); inside
     the forward each block's parameters and activations bfloat16; reduction float32; the loss
     float32 (the logits are upcast inside the loss)."""
-    trainer = Trainer(config(tmp_path, 1, *MIXED))
+    trainer = Trainer(resolve_run(config(tmp_path, 1, *MIXED)))
     seen: list[tuple[str, torch.dtype, torch.dtype]] = []
     try:
         from torch.distributed.fsdp import FSDPModule
@@ -170,7 +171,7 @@ def state_of(trainer: Trainer) -> tuple[dict, list]:
 
 
 def train(cfg) -> tuple[dict, list]:
-    trainer = Trainer(cfg)
+    trainer = Trainer(resolve_run(cfg))
     try:
         trainer.train()
         return state_of(trainer)
@@ -200,7 +201,7 @@ def test_resume_bitwise_and_across_precision_settings(tiny, tmp_path):
         dst = tmp_path / f"dst_{other[-1]}"
         (dst / "checkpoint").mkdir(parents=True)
         (dst / "checkpoint" / "step-2").symlink_to(src / "checkpoint" / "step-2")
-        trainer = Trainer(config(dst, 2, *other, *CKPT))
+        trainer = Trainer(resolve_run(config(dst, 2, *other, *CKPT)))
         try:
             trainer.checkpointer.load()
             _assert_bitwise(state_of(trainer), expect)
@@ -247,7 +248,7 @@ def losses(dump: Path, steps: int, *extra: str) -> list[float]:
             str(dump),
         ]
     )
-    trainer = Trainer(cfg)
+    trainer = Trainer(resolve_run(cfg))
     try:
         trainer.train()
     finally:
@@ -331,7 +332,7 @@ def _layout_runs(rank: int, world_size: int, base: Path, names: list[str]) -> di
             + ["--data.cache_dir", str(base / "data_cache"), "--metrics.enable_tensorboard", "false"]
             + ["--metrics.peak_tflops", "1"]
         )
-        trainer = Trainer(cfg)
+        trainer = Trainer(resolve_run(cfg))
         try:
             if name == "pp2":  # the boundary tensors are allocated (and checked) in the compute dtype
                 assert trainer.runner.dtype == torch.bfloat16
@@ -401,7 +402,7 @@ def test_dsv4_float32_parts_and_hf_export_of_a_mixed_run(tmp_path):
         ]
         + ["--data.cache_dir", str(tmp_path / "data_cache")]
     )
-    trainer = Trainer(cfg)
+    trainer = Trainer(resolve_run(cfg))
     seen: dict[str, set] = {"hc_fn": set(), "hc_out": set(), "gate_w": set(), "gate_out": set()}
     try:
         from titan_thd.models.dsv4.mhc import HyperConnection

@@ -29,6 +29,7 @@ from tests._dist import spawn
 from titan_thd.config import load_config
 from titan_thd.models import get_model_spec
 from titan_thd.parallel import expert_parallel
+from titan_thd.startup import resolve_run
 from titan_thd.train import Trainer
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
@@ -86,7 +87,7 @@ def args(model: str, dump: Path, *extra: str) -> list[str]:
 def train(argv: list[str]) -> dict:
     """Metrics of every step, the router loads before each optimizer step, the router biases at the
     end (this rank's stages), and how often the EP counts exchange ran."""
-    trainer = Trainer(load_config(argv))
+    trainer = Trainer(resolve_run(load_config(argv)))
     loads: list[dict[str, torch.Tensor]] = []
     step = trainer.optimizers.step
 

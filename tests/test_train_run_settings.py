@@ -22,7 +22,8 @@ from titan_thd.components.lr_scheduler import lr_factor
 from titan_thd.components.metrics import MetricsLogger
 from titan_thd.components.run_settings import check_resume, data_description, run_settings
 from titan_thd.config import Metrics, load_config
-from titan_thd.startup import preflight
+from titan_thd.preflight import preflight
+from titan_thd.startup import resolve_run
 from titan_thd.train import Trainer, main
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -61,7 +62,7 @@ def args(tiny_llama, dump, steps, *extra):
 
 
 def train(argv):
-    trainer = Trainer(load_config(argv))
+    trainer = Trainer(resolve_run(load_config(argv)))
     try:
         trainer.train()
     finally:
@@ -87,8 +88,8 @@ def test_resume_with_another_schedule_is_refused_or_continues_with_the_override(
         r"--optimizer.weight_decay 0.1\)$"
     )
     with pytest.raises(ValueError, match=said):
-        preflight(load_config(longer))
-    trainer = Trainer(load_config(longer))
+        preflight(resolve_run(load_config(longer), 1))
+    trainer = Trainer(resolve_run(load_config(longer)))
     try:
         with pytest.raises(ValueError, match=said):
             trainer.train()  # refused before anything is loaded or trained

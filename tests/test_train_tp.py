@@ -38,6 +38,7 @@ from tests import _tiny_llama
 from tests._dist import spawn
 from tests.conftest import TRAIN_ARGS
 from titan_thd.config import ActivationCheckpoint, load_config
+from titan_thd.startup import resolve_run
 from titan_thd.train import Trainer
 
 pytestmark = [pytest.mark.filterwarnings("ignore:'set_vital' is deprecated"), pytest.mark.extended]
@@ -85,7 +86,7 @@ def args(dump: Path, model: str, variant: str, steps: int = STEPS, *extra: str) 
 
 
 def run(argv: list[str]) -> None:
-    trainer = Trainer(load_config(argv))
+    trainer = Trainer(resolve_run(load_config(argv)))
     try:
         trainer.train()
     finally:

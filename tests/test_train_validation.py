@@ -35,6 +35,7 @@ from titan_thd.config import load_config
 from titan_thd.data.batch_meta import BatchMeta
 from titan_thd.data.split import heldout_mask
 from titan_thd.data.token_store import build_token_store
+from titan_thd.startup import resolve_run
 from titan_thd.train import Trainer
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
@@ -89,7 +90,7 @@ def dsv4_args(dump: Path, steps: int, *extra: str) -> list[str]:
 
 
 def run(args: list[str]) -> Trainer:
-    trainer = Trainer(load_config(args))
+    trainer = Trainer(resolve_run(load_config(args)))
     try:
         trainer.train()
     finally:
@@ -154,8 +155,8 @@ def layouts(one, tmp_path_factory):
 
 def reference_val_loss(trainer: Trainer) -> float:
     """The held-out documents of the raw store, in order, each alone as a shifted next-token problem."""
-    cfg = trainer.cfg
-    store = build_token_store(cfg.data, trainer.tokenizer, cfg.training.seed, cfg.data.cache_dir)
+    cfg = trainer.run.cfg
+    store = build_token_store(cfg.data, trainer.run.tokenizer, cfg.training.seed, cfg.data.cache_dir)
     held = np.flatnonzero(heldout_mask(len(store), FRACTION, cfg.training.seed))[: MAX_BATCHES * G]
     assert len(held) == MAX_BATCHES * G
     ce, n = torch.zeros((), dtype=torch.float64), 0

@@ -38,33 +38,31 @@ from titan_thd.components.metrics import (
     step_record,
 )
 from titan_thd.components.optimizer import OptimizersContainer, build_optimizers, clip_grad_norm_
-from titan_thd.components.precision import Precision
 from titan_thd.components.run_header import header_lines
 from titan_thd.components.run_settings import run_layout, run_settings
 from titan_thd.components.signals import StopSignal
 from titan_thd.components.validation import Validator
-from titan_thd.config import Config, help_text, load_config, to_toml
+from titan_thd.config import help_text, load_config, to_toml
 from titan_thd.data.batch_meta import BatchMeta, CPContext
 from titan_thd.data.cp_partition import partition
 from titan_thd.data.dataloader import OrderedSteps, StepBatch, THDDataLoader, build_dataloader
 from titan_thd.data.packed_batch import PackedBatch
 from titan_thd.data.stores import build_stores
-from titan_thd.data.tokenizer import Tokenizer
 from titan_thd.inference.evaluation import TrainingEvaluator
 from titan_thd.memory.dry_run import fake_step_fits
 from titan_thd.memory.live import available_host_bytes, log_peak_rss
-from titan_thd.memory.plan import MemoryPlan, refuse_beyond_host
+from titan_thd.memory.plan import MemoryPlan, plan_memory, refuse_beyond_host
 from titan_thd.models import hf
 from titan_thd.models.compile import CompileClock
 from titan_thd.models.hf.tokenizer import write_tokenizer
-from titan_thd.models.spec import ModelSpec
 from titan_thd.parallel import distributed as dist_utils
 from titan_thd.parallel.distributed import DistInfo
 from titan_thd.parallel.fsdp import build_on_meta
-from titan_thd.parallel.parallel_dims import ParallelDims
 from titan_thd.pipeline.runner import LazyInputs, LocalRunner, build
 from titan_thd.pipeline.schedule import PipelineSchedule, StageInput
-from titan_thd.startup import Run, check_outputs, env_world_size, preflight, resolve_run
+from titan_thd.preflight import check_outputs, preflight
+from titan_thd.run import Run
+from titan_thd.startup import env_world_size, resolve_run
 
 logger = logging.getLogger("titan_thd")
 
@@ -72,65 +70,62 @@ logger = logging.getLogger("titan_thd")
 class Trainer:
     # ---- configuration
     run: Run
-    """Every decision start-up made (startup.py); `cfg` is the configuration as loaded, never written."""
-    cfg: Config
-    spec: ModelSpec
-    model_args: Any
+    """Every decision start-up made (titan_thd/run.py), and `run.cfg`, the configuration as loaded (never
+    written): the trainer reads both through `run` and keeps no copy of either."""
     # ---- distributed
     dist: DistInfo
-    parallel_dims: ParallelDims
     cp: CPContext
     # ---- data
-    tokenizer: Tokenizer
     dataloader: THDDataLoader
     validator: Validator | None
     evaluator: TrainingEvaluator | None
     # ---- model and optimisation
     model: nn.Module
     """This rank's module (its pipeline stages' layers): owns the parameters."""
+    param_count: int
     runner: LocalRunner | PipelineSchedule
     """Runs a step's forward and backward passes (pipeline/runner.py)."""
     optimizers: OptimizersContainer
     lr_schedulers: LRSchedulersContainer
+    memory: MemoryPlan | None
+    """Every pipeline rank's memory (memory/plan.py), on rank 0 and in a dry run (None elsewhere)."""
     # ---- runtime
     metrics: MetricsLogger
     checkpointer: CheckpointManager
     stop: StopSignal
+    stopped: bool
     peak_tflops: float
+    compile_clock: CompileClock
+    timer: StepTimer
+    _recent_step_times: collections.deque[float]
     # ---- training state (checkpointed as "train_state")
     step: int
     tokens_seen: int
-    precision: Precision
-    """Master, compute and reduction dtypes (components/precision.py)."""
     # ---- this invocation (the summary line)
     first_step: int
     train_seconds: float
     last_loss: float | None
 
-    def __init__(self, cfg: Config):
-        # Everything a user can get wrong is checked and every decision made here, before any
-        # process group exists; from here on the run's decisions are read from `run`, never from cfg.
-        fake = cfg.comm.mode == "fake"
-        self.run = run = resolve_run(cfg, env_world_size("NGPU" if fake else "WORLD_SIZE"))
-        self.cfg, self.spec, self.tokenizer, self.model_args = cfg, run.spec, run.tokenizer, run.model_args
-        self.parallel_dims = dims = run.dims
+    def __init__(self, run: Run):
+        # Start-up (startup.resolve_run) checked everything a user can get wrong and made every decision
+        # before any process group exists: the trainer reads them from `run`, never from the config.
+        self.run, cfg, dims = run, run.cfg, run.dims
         check_outputs(cfg)  # a new run does not replace another run's metrics
         self.evaluator = None  # answer accuracy on held-out chat problems (inference/evaluation.py)
         if cfg.evaluation.enable:
             t = cfg.training
             self.evaluator = TrainingEvaluator(
-                cfg.evaluation, t.steps, self.tokenizer, t.tokens_per_microbatch, self.spec
+                cfg.evaluation, t.steps, run.tokenizer, t.tokens_per_microbatch, run.spec
             )
-        self.precision, self.compile = run.precision, run.compile
 
         # Mixed precision is FSDP2's casting, on every layout: one process shards over a group of one.
-        self.dist = dist_utils.init_distributed(cfg.comm, single_rank_group=self.precision.mixed)
+        self.dist = dist_utils.init_distributed(cfg.comm, single_rank_group=run.precision.mixed)
         if cfg.training.deterministic:
             torch.use_deterministic_algorithms(True)
         dims.build_meshes(self.dist.device.type)
         # Every pipeline rank's memory, planned once by rank 0, which logs it and decides the host
         # refusal for all, before anything is allocated; in a dry run every rank sizes its own step.
-        self.memory: MemoryPlan | None = run.memory if self.dist.is_main or fake else None
+        self.memory = plan_memory(run) if self.dist.is_main or run.fake else None
         self._refuse_beyond_host_memory()
         cp_group = None if dims.cp == 1 else dims.get_mesh("cp").get_group()
         self.cp = CPContext(dims.cp, dims.mesh_rank("cp"), cp_group, run.cp_mode, run.hybrid_threshold)
@@ -141,35 +136,22 @@ class Trainer:
             with dist_utils.rank_zero_first(self.dist.rank):
                 t, main = cfg.training, self.dist.is_main
                 store, val_store = build_stores(
-                    cfg.data, cfg.validation, self.tokenizer, t.seed, run.cache_dir, main
+                    cfg.data, cfg.validation, run.tokenizer, t.seed, run.cache_dir, main
                 )
-        self.dataloader = build_dataloader(cfg.data, store, layout, self.tokenizer)
+        self.dataloader = build_dataloader(cfg.data, store, layout, run.tokenizer)
 
         # Built on the meta device (in the master dtype: FSDP casts what it gathers), cut and sharded
         # there; each rank then allocates only its shards, filled from the seed or the checkpoint.
         torch.manual_seed(cfg.training.seed)
-        model = build_on_meta(lambda: self.spec.build(self.model_args)).to(self.precision.master)
-        if cfg.model.hf_path and fake:
+        model = build_on_meta(lambda: run.spec.build(run.model_args)).to(run.precision.master)
+        if cfg.model.hf_path and run.fake:
             logger.warning("model.hf_path: not loaded in a fake-process-group dry run (meta weights)")
         fingerprint = model_fingerprint([model], model=cfg.model.name, flavor=run.flavor)
-        parts = build(
-            model,
-            self.spec,
-            dims,
-            model_args=self.model_args,
-            stages=run.stages,
-            schedule=cfg.parallelism.pipeline_parallel_schedule,
-            tokens_per_microbatch=cfg.training.tokens_per_microbatch,
-            compile=self.compile.on,
-            ac=cfg.activation_checkpoint,
-            precision=self.precision,
-            device=self.dist.device,
-            init=None if fake else self._init_weights,
-        )
+        parts = build(model, run, self.dist.device, init=None if run.fake else self._init_weights)
         self.model, self.runner, self.param_count = parts.module, parts.runner, parts.num_params
         self.validator = self._validator(val_store, layout)
 
-        self.optimizers = build_optimizers(self.model, cfg.optimizer, self.spec)
+        self.optimizers = build_optimizers(self.model, cfg.optimizer, run.spec)
         self.lr_schedulers = LRSchedulersContainer(self.optimizers, cfg.lr_scheduler, cfg.training.steps)
 
         self.step, self.tokens_seen = 0, 0
@@ -191,20 +173,20 @@ class Trainer:
         local, dev = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), self.dist.device
         is_main = self.dist.is_main
         self.peak_tflops = (
-            peak_tflops_per_rank(cfg.metrics, self.precision.compute, dev, local) if is_main else 0.0
+            peak_tflops_per_rank(cfg.metrics, run.precision.compute, dev, local) if is_main else 0.0
         )
         dist_utils.barrier()
         self.metrics = MetricsLogger(
-            cfg.metrics, cfg.job.dump_folder, enabled=self.dist.is_main, settings=run_settings(cfg)
+            cfg.metrics, cfg.job.dump_folder, enabled=is_main, settings=run_settings(cfg)
         )
-        self._recent_step_times: collections.deque[float] = collections.deque(maxlen=10)
+        self._recent_step_times = collections.deque(maxlen=10)
         self.compile_clock = CompileClock()  # the compile seconds of the steps that compiled
         self.timer = StepTimer(self.dist.device)
-        if self.dist.is_main:
+        if is_main:
             self._log_header()
-            if not self.dist.fake:  # the run folder holds the tokenizer it was trained with
+            if not run.fake:  # the run folder holds the tokenizer it was trained with
                 source = None if cfg.data.tokenizer == "byte" else cfg.data.tokenizer
-                write_tokenizer(self.tokenizer, Path(cfg.job.dump_folder) / "tokenizer", source)
+                write_tokenizer(run.tokenizer, Path(cfg.job.dump_folder) / "tokenizer", source)
 
     # ------------------------------------------------------------------ checkpointed state
     def state_dict(self) -> dict[str, Any]:
@@ -241,20 +223,20 @@ class Trainer:
         with self.timer.phase("comm"):
             grad_norm = self.clip_gradients()
             # The other data/context-parallel ranks hold the rest of the step's token sums.
-            loss_mesh = self.parallel_dims.get_optional_mesh("loss")
+            loss_mesh = self.run.dims.get_optional_mesh("loss")
             losses = {"loss": dist_utils.dist_sum(ce_sum, loss_mesh) / num_trained}
             losses |= {k: dist_utils.dist_sum(v, loss_mesh) / num_trained for k, v in aux_sums.items()}
             result = {"grad_norm": float(grad_norm)} | {k: float(v) for k, v in losses.items()}
         # Global values, the same on every rank: all ranks stop here together, and a bad step
         # never reaches the weights, the optimizer state or a checkpoint. (A fake-process-group dry
         # run computes on garbage collectives: its numbers mean nothing.)
-        if not self.dist.fake:
+        if not self.run.fake:
             exits.check_finite(self.step, result)
         lr = self.lr_schedulers.current_lr
         with self.timer.phase("optimizer"):
             self.optimizers.step()
             self.lr_schedulers.step()
-            after_step = self.spec.after_optimizer_step
+            after_step = self.run.spec.after_optimizer_step
             if after_step is not None:
                 after_step(self.model, None if loss_mesh is None else loss_mesh.get_group())
         return result | {"lr": lr}
@@ -264,7 +246,7 @@ class Trainer:
         counted once); returns the global norm before clipping."""
         return clip_grad_norm_(
             self.runner.norm_params(),
-            self.cfg.training.max_norm,
+            self.run.cfg.training.max_norm,
             pp_group=self.runner.pp_group,
             also_scale=self.runner.also_scale,
         )
@@ -272,16 +254,17 @@ class Trainer:
     def log(
         self, step_batch: StepBatch, result: dict[str, float], step_time: float, wall_time: float
     ) -> None:
-        flops = self.spec.flops_per_step(self.model_args, step_batch.doc_lengths)
+        run = self.run
+        flops = run.spec.flops_per_step(run.model_args, step_batch.doc_lengths)
         timing = {"step_time": step_time, "wall_time": wall_time, "phase_times": self.timer.pop()}
         timing |= {"world_size": self.dist.world_size, "peak_tflops": self.peak_tflops}
         record = step_record(self.step, result, step_batch, flops=flops, **timing)
-        self.metrics.log(record, last_step=self.cfg.training.steps)
-        if self.compile.on and self.dist.is_main and (line := self.compile_clock.line(self.step, step_time)):
+        self.metrics.log(record, last_step=run.cfg.training.steps)
+        if run.compile.on and self.dist.is_main and (line := self.compile_clock.line(self.step, step_time)):
             logger.info("%s", line)
         if self.step > self.first_step + 1:  # the first step of a process warms up: not a rate
             self._recent_step_times.append(step_time)
-        last = self.cfg.training.steps
+        last = run.cfg.training.steps
         if self.dist.is_main and self.step < last and self.metrics.should_print(self.step, last):
             logger.info("%s", progress_line(self.step, last, self._recent_step_times))
 
@@ -294,12 +277,15 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         if self.evaluator is None or not self.evaluator.due(self.step):
             return {}
-        return self.evaluator.run(self.model, lambda: self.spec.build(self.model_args), self.dist.device)
+        return self.evaluator.run(
+            self.model, lambda: self.run.spec.build(self.run.model_args), self.dist.device
+        )
 
     def train(self) -> None:
-        if self.dist.fake:  # a dry run's step only where its memory fits this machine (memory/dry_run.py)
-            rank, tokens = self.memory.ranks[self.parallel_dims.mesh_rank("pp")], self.run.tokens_per_rank
-            flops = self.spec.flops_per_step(self.model_args, [tokens]) / self.parallel_dims.pp
+        run = self.run
+        if run.fake:  # a dry run's step only where its memory fits this machine (memory/dry_run.py)
+            rank, tokens = self.memory.ranks[run.dims.mesh_rank("pp")], run.tokens_per_rank
+            flops = run.spec.flops_per_step(run.model_args, [tokens]) / run.dims.pp
             if not fake_step_fits(rank, tokens, flops, self.peak_tflops):
                 return
         self.stop.install()
@@ -308,7 +294,7 @@ class Trainer:
             log_peak_rss("start-up: max RSS per rank", self.dist.is_main)
         self.first_step = self.step  # the summary counts this invocation's steps
         start = time.perf_counter()
-        while self.step < self.cfg.training.steps:
+        while self.step < run.cfg.training.steps:
             t0 = time.perf_counter()
             with self.timer.phase("data"):
                 step_batch = self.next_step_batch()
@@ -320,7 +306,7 @@ class Trainer:
             result |= self.validate()
             result |= self.evaluate()
             self.log(step_batch, result, now - t0, now - start)
-            self.checkpointer.save(self.step, force=self.step == self.cfg.training.steps)
+            self.checkpointer.save(self.step, force=self.step == run.cfg.training.steps)
             # Every rank stops after the same step, whichever ranks the signal reached.
             if dist_utils.any_rank(self.stop.requested):
                 self.checkpointer.save(self.step, force=True)
@@ -332,9 +318,9 @@ class Trainer:
     def _refuse_beyond_host_memory(self) -> None:
         """On CPU the ranks of a host share its memory: a run whose plan cannot fit is refused before
         its model is allocated (memory/plan.py), not killed by the kernel. Rank 0 decides for all."""
-        if not self.dist.fake and self.dist.device.type == "cpu":
+        if not self.run.fake and self.dist.device.type == "cpu":
             available = available_host_bytes() if self.dist.is_main else 0
-            refuse_beyond_host(self.memory, available, self.cfg, self.parallel_dims.cp, self.dist.is_main)
+            refuse_beyond_host(self.memory, available, self.run, self.dist.is_main)
 
     def close(self) -> None:
         """Flush the metrics and restore the signal handlers (the process group stays up: main() ends it)."""
@@ -350,22 +336,23 @@ class Trainer:
         saved = ckpt.step_dir(steps[-1]) if steps else None
         did = {"first_step": self.first_step, "step": self.step, "tokens": self.tokens_seen}
         did |= {"seconds": self.train_seconds, "loss": self.last_loss, "stopped": self.stopped}
-        logger.info("%s", exits.summary_line(self.cfg, argv, checkpoint=saved, **did))
+        logger.info("%s", exits.summary_line(self.run.cfg, argv, checkpoint=saved, **did))
         if self.stopped:
-            logger.info("%s", exits.stopped_line(self.stop.received, self.step, saved, argv, self.cfg))
+            logger.info("%s", exits.stopped_line(self.stop.received, self.step, saved, argv, self.run.cfg))
 
     # ------------------------------------------------------------------ helpers
     def _init_weights(self, model: nn.Module) -> None:
         """This rank's allocated shards: drawn from training.seed, then (model.hf_path) read from the
         checkpoint, only the slices this rank holds (ValueError when the architecture differs)."""
-        model.init_weights(self.cfg.training.seed)
-        if self.cfg.model.hf_path:
-            hf.load_into(self.spec, model, self.cfg.model.hf_path)
+        run = self.run
+        model.init_weights(run.cfg.training.seed)
+        if run.cfg.model.hf_path:
+            hf.load_into(run.spec, model, run.cfg.model.hf_path)
 
     def _validator(self, store, layout) -> Validator | None:
         if store is None:
             return None
-        c, padded = self.cfg, self.spec.padded_forward
+        c, padded = self.run.cfg, self.run.spec.padded_forward
         batches = OrderedSteps(
             store.view(layout.T, c.data.overlong), layout, pad_to_multiple=layout.pad_to_multiple
         )
@@ -374,34 +361,34 @@ class Trainer:
             batches,
             runner=self.runner,
             prepare=self.local_inputs,
-            loss_mesh=self.parallel_dims.get_optional_mesh("loss"),
+            loss_mesh=self.run.dims.get_optional_mesh("loss"),
             device=self.dist.device,
             last_step=c.training.steps,
             is_main=self.dist.is_main,
             padded_forward=(lambda t, n: padded(self.model, t, n)) if c.validation.compare_padded else None,
-            pad_id=self.tokenizer.pad_id,
+            pad_id=self.run.tokenizer.pad_id,
         )
 
     def _log_header(self) -> None:
-        c, d, precision = self.cfg, self.parallel_dims, self.precision
+        run = self.run
         for line in header_lines(
-            c,
-            flavor=self.run.flavor,
-            dims=d,
+            run.cfg,
+            flavor=run.flavor,
+            dims=run.dims,
             cp_mode=self.cp.mode,
             device=self.dist.device,
-            fake=self.dist.fake,
+            fake=run.fake,
             num_params=self.param_count,
-            model_args=self.model_args,
-            tokenizer=self.tokenizer,
+            model_args=run.model_args,
+            tokenizer=run.tokenizer,
             optimizers=self.optimizers.optimizers,
-            precision=precision,
-            compile_line=self.compile.describe(),
+            precision=run.precision,
+            compile_line=run.compile.describe(),
             loader=self.dataloader,
             validator=self.validator,
             state_line=self.memory.state_line(),
             stage_lines=self.memory.stage_lines(),
-            ac_regions=self.spec.ac_regions,
+            ac_regions=run.spec.ac_regions,
             peak_tflops=self.peak_tflops,
         ):
             (logger.warning if line.startswith("warning: ") else logger.info)(
@@ -424,10 +411,10 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.job.print_config:
             print(to_toml(cfg))
             return 0
-        if cfg.job.preflight:
-            preflight(cfg)
+        if cfg.job.preflight:  # run_train.sh, before torchrun: NGPU processes to come
+            preflight(resolve_run(cfg, env_world_size("NGPU")))
             return 0
-        trainer = Trainer(cfg)
+        trainer = Trainer(resolve_run(cfg))  # this launch's processes
         trainer.train()
         # The ranks leave together: a rank's exit closes its connections, and gloo can fail an
         # operation that a slower peer still has to post with it.

@@ -93,9 +93,10 @@ def _cfg(dumps: dict[str, Path], name: str):
 
 
 def _train(cfg) -> None:
+    from titan_thd.startup import resolve_run
     from titan_thd.train import Trainer
 
-    trainer = Trainer(cfg)
+    trainer = Trainer(resolve_run(cfg))
     try:
         trainer.train()
     finally:

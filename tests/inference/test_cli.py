@@ -15,6 +15,7 @@ import torch
 from tests.conftest import TRAIN_ARGS
 from titan_thd.config import load_config
 from titan_thd.inference.loading import config_argv, load_model
+from titan_thd.startup import resolve_run
 from titan_thd.train import Trainer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,7 +36,9 @@ def checkpoint(tmp_path_factory):
         "--training.global_batch_size",
         "4",
     ]
-    trainer = Trainer(load_config([*argv, "--checkpoint.enable", "true", "--job.dump_folder", str(dump)]))
+    trainer = Trainer(
+        resolve_run(load_config([*argv, "--checkpoint.enable", "true", "--job.dump_folder", str(dump)]))
+    )
     try:
         trainer.train()
     finally:

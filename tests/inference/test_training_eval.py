@@ -13,6 +13,7 @@ from tests._dist import spawn
 from tests.conftest import TRAIN_ARGS
 from titan_thd.config import load_config
 from titan_thd.inference import evaluation
+from titan_thd.startup import resolve_run
 from titan_thd.train import Trainer
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
@@ -40,7 +41,7 @@ def run(dump: Path, rank: int = 0) -> tuple[dict, list[tuple[str, str]]]:
         "float64",
     ]
     cfg = load_config([*argv, *EVAL.split(), "--job.dump_folder", str(dump), "--metrics.peak_tflops", "1"])
-    trainer = Trainer(cfg)
+    trainer = Trainer(resolve_run(cfg))
     try:
         trainer.train()
     finally:

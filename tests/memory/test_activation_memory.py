@@ -20,6 +20,7 @@ from titan_thd.config import load_config
 from titan_thd.memory import activations
 from titan_thd.memory.live import LiveBytes
 from titan_thd.memory.state import estimate_memory_per_rank
+from titan_thd.startup import resolve_run
 from titan_thd.train import Trainer
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
@@ -57,17 +58,17 @@ def _estimate_and_peak(model: str, extra: list[str], tmp_path) -> tuple[float, i
             "--metrics.enable_tensorboard", "false", "--job.dump_folder", str(tmp_path / "run"), *extra,
         ]
     )  # fmt: skip
-    trainer = Trainer(cfg)
+    trainer = Trainer(resolve_run(cfg))
     acts = activations.activation_memory(
-        trainer.spec,
-        trainer.model_args,
+        trainer.run.spec,
+        trainer.run.model_args,
         T,
         torch.float64,
         cfg.activation_checkpoint,
     )
     assert acts is not None
     saved, back = acts.stage(list(acts.kept.layers), first=True, last=True)
-    other = estimate_memory_per_rank(trainer.model, trainer.parallel_dims, "adamw", torch.float64)
+    other = estimate_memory_per_rank(trainer.model, trainer.run.dims, "adamw", torch.float64)
     # The plan (built on the meta device) holds the same figures as the built model and the measure.
     (plan,) = trainer.memory.ranks
     assert (plan.state, plan.in_flight, plan.saved_bytes, plan.backward_bytes) == (other, 1, saved, back)

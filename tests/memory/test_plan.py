@@ -4,12 +4,14 @@ FSDP unit per pipeline rank; the host sum over the ranks a host holds; the refus
 pipeline parallelism."""
 
 import dataclasses
+import functools
+import tempfile
 
 import torch
 from torch import nn
 
 from titan_thd.components.precision import Precision
-from titan_thd.config import ActivationCheckpoint
+from titan_thd.config import ActivationCheckpoint, load_config
 from titan_thd.memory import activations
 from titan_thd.memory.plan import host_refusal, plan_memory
 from titan_thd.memory.state import size
@@ -17,6 +19,8 @@ from titan_thd.models.spec import ModelOutput, ModelSpec, ParallelSpec, Pipeline
 from titan_thd.parallel import seeded_init
 from titan_thd.parallel.parallel_dims import ParallelDims
 from titan_thd.pipeline.split import stage_layers
+from titan_thd.run import Run
+from titan_thd.startup import resolve_run
 
 T, D, V, N = 64, 16, 32, 4
 F32 = torch.float32
@@ -54,21 +58,36 @@ SPEC = ModelSpec(
 )
 
 
+@functools.cache
+def _base_run() -> Run:
+    return resolve_run(load_config(["--job.dump_folder", tempfile.gettempdir()]), 1)
+
+
 def _plan(dims, stages, optimizer="adamw", matrix=lambda m: [], schedule="1F1B", precision=None, hf=False):
-    return plan_memory(
-        SPEC,
-        _ToyArgs(),
-        dims,
-        stages,
-        schedule,
-        precision or Precision(F32, F32, F32),
-        optimizer,
-        matrix,
-        ac=ActivationCheckpoint(),
-        tokens=T,
-        narrow_ok=False,
-        loads_checkpoint=hf,
+    """The plan of the toy model on `dims`: a resolved run with the toy's spec (Muon's parameters:
+    `matrix`), args, layout and dtypes; one microbatch of T tokens per context-parallel rank, the
+    default activation checkpointing, not a dry run (measured whole); `hf`: model.hf_path is read."""
+    run = _base_run()
+    c = run.cfg
+    cfg = dataclasses.replace(
+        c,
+        training=dataclasses.replace(c.training, tokens_per_microbatch=T * dims.cp),
+        optimizer=dataclasses.replace(c.optimizer, name=optimizer),
+        parallelism=dataclasses.replace(c.parallelism, pipeline_parallel_schedule=schedule),
+        model=dataclasses.replace(c.model, hf_path="hf_folder" if hf else ""),
+        activation_checkpoint=ActivationCheckpoint(),
     )
+    toy = dataclasses.replace(
+        run,
+        cfg=cfg,
+        spec=dataclasses.replace(SPEC, matrix_params=matrix),
+        model_args=_ToyArgs(),
+        dims=dims,
+        stages=stages,
+        precision=precision or Precision(F32, F32, F32),
+    )
+    assert not toy.fake and toy.tokens_per_rank == T
+    return plan_memory(toy)
 
 
 PP2_DP2 = ParallelDims(pp=2, dp_shard=2, cp=1, tp=1, world_size=4)

@@ -8,6 +8,7 @@ import torch
 from titan_thd.config import CHOICES, Parallelism
 from titan_thd.models import get_model_spec
 from titan_thd.parallel.context_parallel import CP_MODES, resolve_mode, validate_context_parallel
+from titan_thd.startup import resolve_run
 from titan_thd.train import Trainer
 
 
@@ -97,7 +98,7 @@ def test_trainer_refuses_dsv4_zigzag(make_config, monkeypatch):
     with pytest.raises(
         ValueError, match=r"context_parallel_mode = zigzag: model dsv4 tiny computes only contiguous"
     ):
-        Trainer(cfg)
+        Trainer(resolve_run(cfg))
     assert not torch.distributed.is_initialized()
 
 
@@ -107,5 +108,5 @@ def test_cp_degree_must_divide_the_world(make_config, monkeypatch, world, cp):
     overrides = ["--parallelism.context_parallel_degree", cp, "--data.pad_to_multiple", str(2 * int(cp))]
     cfg = make_config(*overrides, "--training.tokens_per_microbatch", "504")  # 504 = 2^3 * 3^2 * 7
     with pytest.raises(ValueError, match=rf"pp 1 × cp {cp} × tp 1 = {cp} does not divide world size {world}"):
-        Trainer(cfg)
+        Trainer(resolve_run(cfg))
     assert not torch.distributed.is_initialized()

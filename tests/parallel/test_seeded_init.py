@@ -43,23 +43,12 @@ def _all_layouts(rank: int, world: int, argvs: list[list[str]]) -> list[dict[str
 
 
 def _sharded(world: int, argv: list[str]) -> dict[str, torch.Tensor]:
-    run = resolve_run(load_config(argv), world)
+    fp32 = ["--training.mixed_precision_param", "float32", "--training.compile", "false"]
+    run = resolve_run(load_config([*argv, *fp32]), world)
+    assert run.precision == F32 and not run.compile.on
     run.dims.build_meshes("cpu")
     model = build_on_meta(lambda: run.spec.build(run.model_args))
-    parts = build(
-        model,
-        run.spec,
-        run.dims,
-        model_args=run.model_args,
-        stages=run.stages,
-        schedule=run.cfg.parallelism.pipeline_parallel_schedule,
-        tokens_per_microbatch=run.cfg.training.tokens_per_microbatch,
-        compile=False,
-        ac=run.cfg.activation_checkpoint,
-        precision=F32,
-        device=torch.device("cpu"),
-        init=lambda m: m.init_weights(SEED),
-    )
+    parts = build(model, run, torch.device("cpu"), init=lambda m: m.init_weights(SEED))
     out, sharded = {}, 0
     for name, t in parts.module.state_dict().items():
         if isinstance(t, DTensor):

@@ -55,7 +55,7 @@ class RunResult:
     peak_bytes: int | None
     """torch.cuda.max_memory_allocated of the run (None on the CPU)."""
     estimate_bytes: float | None
-    """The run header's per-rank estimate (Run.memory.per_rank_total; None on the CPU)."""
+    """The run header's per-rank estimate (Trainer.memory.per_rank_total; None on the CPU)."""
 
 
 def recipe_args(ctx: Context, model: str, precision: tuple[str, ...], dump: Path) -> list[str]:
@@ -95,16 +95,17 @@ def train(ctx: Context, model: str, precision: tuple[str, ...], on_cpu: bool) ->
         peak = estimate = None
     else:
         from titan_thd.config import load_config
+        from titan_thd.startup import resolve_run
         from titan_thd.train import Trainer
 
         cuda = ctx.device.type == "cuda"
         if cuda:
             torch.cuda.reset_peak_memory_stats(ctx.device)
-        trainer = Trainer(load_config(argv))
+        trainer = Trainer(resolve_run(load_config(argv)))
         try:
             trainer.train()
             peak = torch.cuda.max_memory_allocated(ctx.device) if cuda else None
-            estimate = trainer.run.memory.per_rank_total if cuda else None
+            estimate = trainer.memory.per_rank_total if cuda else None
         finally:
             trainer.close()
     records = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]

@@ -52,7 +52,6 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
@@ -69,10 +68,10 @@ from titan_thd.components.checkpoint_folder import (
     SHARD_FILE,
     STEP_DIR,
     TMP_DIR,
+    check_contents,
     checkpoint_steps,
     crc32,
     fingerprint_differences,
-    flat_keys,
     fsync_dir,
 )
 from titan_thd.components.run_settings import check_resume
@@ -100,15 +99,6 @@ def _single_process_is_fine() -> Iterator[None]:
         yield
 
 
-def _all_gather(obj: Any) -> list[Any]:
-    """Every rank's `obj`, in rank order (`[obj]` alone)."""
-    if distributed.world_size() == 1:
-        return [obj]
-    out: list[Any] = [None] * distributed.world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
 def _describe(e: BaseException) -> str:
     """One line per failing rank; DCP wraps each rank's exception in a CheckpointException."""
     if isinstance(e, CheckpointException):
@@ -134,7 +124,8 @@ class CheckpointManager:
     """Save / resume model, optimizer, LR schedulers, extra `states`, and RNG with DCP.
 
     `optimizer` is a Stateful whose state is keyed by parameter FQN (the trainer's
-    OptimizersContainer; None = no optimizer state, e.g. a preflight check). `states` maps a key to any object with
+    OptimizersContainer); left out with `lr_schedulers` and `states`: the model entries alone (the
+    preflight's resume check, `read_model`). `states` maps a key to any object with
     `state_dict()` / `load_state_dict()` whose state is the same on every rank (train state,
     the layout-free data state). `fingerprint` (see `model_fingerprint`) is stored and compared
     on load so a checkpoint of another model fails with the list of differences. `settings` and
@@ -148,13 +139,14 @@ class CheckpointManager:
         dump_folder: str,
         *,
         model: nn.Module,
-        optimizer: Stateful | None,
-        lr_schedulers: Any,
-        states: dict[str, Stateful],
         fingerprint: dict[str, Any],
+        optimizer: Stateful | None = None,
+        lr_schedulers: Any = (),
+        states: dict[str, Stateful] | None = None,
         settings: dict[str, Any] | None = None,
         layout: dict[str, Any] | None = None,
     ) -> None:
+        states = states or {}
         clash = sorted(set(states) & set(RESERVED_KEYS))
         assert not clash, f"states keys {clash} collide with the checkpoint's own keys {RESERVED_KEYS}"
         self.cfg = cfg
@@ -225,7 +217,7 @@ class CheckpointManager:
                 local = (self._checksums(tmp), None)
             except OSError as e:
                 local = ({}, f"rank {distributed.rank()}: {e}")
-            for part, err in _all_gather(local):
+            for part, err in distributed.all_gather_object(local):
                 files.update(part)
                 error = error or err
         if error is None and main:
@@ -383,30 +375,10 @@ class CheckpointManager:
                 problems.append(f"{f} has {f.stat().st_size} bytes, {size} when saved")
             elif crc32(f) != crc:
                 problems.append(f"{f} has other contents than when saved (CRC-32 mismatch)")
-        problems = sorted(p for part in _all_gather(problems) for p in part)
+        problems = sorted(p for part in distributed.all_gather_object(problems) for p in part)
         if problems:
             more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
             raise ValueError(f"checkpoint {path} is damaged: {problems[0]}{more}{self._earlier(path)}")
-
-    @staticmethod
-    def _check_contents(path: Path, state_dict: dict[str, Any]) -> None:
-        """ValueError naming missing shard files or entries that `state_dict` needs."""
-        if not (path / ".metadata").is_file():
-            raise ValueError(f"checkpoint {path}: the DCP index file .metadata is missing")
-        metadata = dcp.FileSystemReader(path).read_metadata()
-        files = sorted({info.relative_path for info in metadata.storage_data.values()})
-        absent = [f for f in files if not (path / f).is_file()]
-        if absent:
-            raise ValueError(f"checkpoint {path}: shard files missing: {', '.join(absent)} (of {len(files)})")
-        saved = set(metadata.state_dict_metadata)
-        missing = [
-            k
-            for k in flat_keys(state_dict)
-            if k not in saved and not any(s.startswith(k + ".") for s in saved)
-        ]
-        if missing:
-            shown = ", ".join(missing[:8]) + (f" ... ({len(missing)} in all)" if len(missing) > 8 else "")
-            raise ValueError(f"checkpoint {path} lacks entries this run needs: {shown}")
 
     def check_resumable(self) -> None:
         """ValueError now when `load()` would refuse its checkpoint: checkpoint.load_step not saved, the
@@ -437,7 +409,7 @@ class CheckpointManager:
                 distributed.world_size(),
             )
             del sd["rng"]
-        self._check_contents(path, sd)
+        check_contents(path, sd)
         with _single_process_is_fine():
             dcp.load(sd, checkpoint_id=path)
         set_model_state_dict(self.model, sd["model"], options=StateDictOptions(strict=False))
@@ -452,3 +424,22 @@ class CheckpointManager:
         self._last_saved = step
         logger.info("checkpoint: resumed from %s in %.2f s", path, time.perf_counter() - start)
         return step
+
+
+def read_model(model: nn.Module, step_dir: Path, fingerprint: dict[str, Any], *, load: bool = True) -> None:
+    """The model entries of the trainer checkpoint `step_dir` (RUN/checkpoint/step-N) read into `model`;
+    its optimizer, data and schedule state stay on disk. ValueError first when it was saved from another
+    model (each difference from `fingerprint` named) or its files fail their CRC-32s. `load=False`: the
+    fingerprint check alone, nothing read (`model` may be on the meta device)."""
+    step = STEP_DIR.match(step_dir.name)
+    if step is None or not (step_dir / META_FILE).is_file():
+        raise ValueError(
+            f"--checkpoint {step_dir}: no meta.json, so not a complete titan_thd trainer checkpoint (a folder "
+            "written by scripts/convert_hf.py to-dcp converts back with to-hf and loads via --model.hf_path)"
+        )
+    cfg = Checkpoint(enable=True, folder=step_dir.parent.name, load_step=int(step.group(1)))
+    manager = CheckpointManager(cfg, str(step_dir.parent.parent), model=model, fingerprint=fingerprint)
+    if load:
+        manager.load()
+    else:
+        manager.check_resumable()

@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from titan_thd.parallel.shards import canonical_name
@@ -74,6 +75,25 @@ def flat_keys(tree: Mapping[str, Any], prefix: str = "") -> list[str]:
     return keys
 
 
+def check_contents(path: Path, state_dict: Mapping[str, Any]) -> None:
+    """ValueError naming the shard files missing from the checkpoint folder `path` (by its DCP index)
+    or the entries of `state_dict` it does not hold."""
+    if not (path / ".metadata").is_file():
+        raise ValueError(f"checkpoint {path}: the DCP index file .metadata is missing")
+    metadata = dcp.FileSystemReader(path).read_metadata()
+    files = sorted({info.relative_path for info in metadata.storage_data.values()})
+    absent = [f for f in files if not (path / f).is_file()]
+    if absent:
+        raise ValueError(f"checkpoint {path}: shard files missing: {', '.join(absent)} (of {len(files)})")
+    saved = set(metadata.state_dict_metadata)
+    missing = [
+        k for k in flat_keys(state_dict) if k not in saved and not any(s.startswith(k + ".") for s in saved)
+    ]
+    if missing:
+        shown = ", ".join(missing[:8]) + (f" ... ({len(missing)} in all)" if len(missing) > 8 else "")
+        raise ValueError(f"checkpoint {path} lacks entries this run needs: {shown}")
+
+
 def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -109,3 +129,20 @@ def checkpoint_steps(folder: Path) -> list[int]:
     if not folder.is_dir():
         return []
     return sorted(int(m.group(1)) for p in folder.iterdir() if p.is_dir() and (m := STEP_DIR.match(p.name)))
+
+
+def resolve_step_dir(path: str | Path, checkpoint_folder: str = "checkpoint") -> Path:
+    """The `step-N` folder that `path` (a command line's --checkpoint) names: itself, the newest complete
+    step of a checkpoint folder, or of a run folder's `checkpoint_folder`; ValueError otherwise."""
+    p = Path(path)
+    if not p.exists():
+        raise ValueError(f"--checkpoint {str(path)!r}: no such folder")
+    if STEP_DIR.match(p.name) and p.is_dir():
+        return p
+    for folder in (p, p / checkpoint_folder):
+        if steps := checkpoint_steps(folder):
+            return folder / f"step-{steps[-1]}"
+    raise ValueError(
+        f"--checkpoint {str(path)!r}: not a checkpoint (expected RUN/{checkpoint_folder}/step-N, a folder of "
+        f"step-N checkpoints, or a run folder holding {checkpoint_folder}/step-N)"
+    )

@@ -8,7 +8,9 @@ its microbatches. Under CP each of the `cp` ranks of a replica carries cost / cp
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -32,6 +34,19 @@ def sample_costs(lengths: np.ndarray, cost_attention: float) -> np.ndarray:
     """[n] float64 cost `L + b L^2` of each sample."""
     lens = np.asarray(lengths, dtype=np.float64)
     return lens + cost_attention * lens * lens
+
+
+def attention_cost_weight(flops_per_step: Callable[[Any, Sequence[int]], float], args: Any) -> float:
+    """The weight b of sum(len^2) per unit of tokens (training.planner_cost_attention = 0), read off the
+    model's FLOPs formula (its ModelSpec.flops_per_step with `args`).
+
+    flops(L) = a L + b' L^2 for one document of length L; two lengths give a and b', b = b' / a.
+    """
+    l1, l2 = 1024, 2048
+    f1, f2 = flops_per_step(args, [l1]), flops_per_step(args, [l2])
+    b = (f2 / l2 - f1 / l1) / (l2 - l1)
+    a = f1 / l1 - b * l1
+    return max(0.0, b / a)
 
 
 def check_inputs(lengths, dp: int, cp: int, T: int, policy: str) -> np.ndarray:

@@ -29,9 +29,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from titan_thd.components.checkpoint import CheckpointManager
-from titan_thd.components.checkpoint_folder import STEP_DIR, model_fingerprint
-from titan_thd.config import Checkpoint, Config, Parallelism, load_config
+from titan_thd.components.checkpoint import read_model
+from titan_thd.components.checkpoint_folder import model_fingerprint, resolve_step_dir
+from titan_thd.config import Config, Parallelism, load_config
 from titan_thd.data import deepseek_chat
 from titan_thd.data.chat_template import encode_prompt
 from titan_thd.data.tokenizer import END_OF_TURN, Tokenizer
@@ -98,28 +98,6 @@ def config_argv(config: str) -> list[str]:
     raise ValueError(f"--config {config!r}: no such file (nor train_configs/{config}); available: {names}")
 
 
-def resolve_checkpoint(path: str | Path, checkpoint_folder: str = "checkpoint") -> Path:
-    """The `step-N` folder that `path` names: itself, the newest complete step of a checkpoint folder,
-    or of a run folder's `checkpoint_folder`."""
-    p = Path(path)
-    if not p.exists():
-        raise ValueError(f"--checkpoint {str(path)!r}: no such folder")
-    if STEP_DIR.match(p.name) and p.is_dir():
-        return p
-    for folder in (p, p / checkpoint_folder):
-        steps = sorted(
-            (int(m.group(1)), c)
-            for c in folder.glob("step-*")
-            if c.is_dir() and (m := STEP_DIR.match(c.name))
-        )
-        if steps:
-            return steps[-1][1]
-    raise ValueError(
-        f"--checkpoint {str(path)!r}: not a checkpoint (expected RUN/{checkpoint_folder}/step-N, a folder of "
-        f"step-N checkpoints, or a run folder holding {checkpoint_folder}/step-N)"
-    )
-
-
 def inference_config(argv: list[str]) -> Config:
     """The run's config for one process: parallel degrees reset, training-only switches off. A new
     Config (new sections where they differ): nothing writes the loaded one."""
@@ -151,17 +129,17 @@ def load_model(
             "no weights: give --checkpoint (RUN/checkpoint/step-N, or a run folder), --model.hf_path "
             "(a Hugging Face folder), or --untrained for the seeded initialisation"
         )
-    step_dir = None
+    step_dir, fingerprint = None, {}
     if checkpoint is not None:  # refuse another model's checkpoint before building anything
-        step_dir = resolve_checkpoint(checkpoint, cfg.checkpoint.folder)
-        _checkpoint_manager(
-            build_on_meta(lambda: spec.build(model_args)), step_dir, cfg, run.flavor
-        ).check_resumable()
+        step_dir = resolve_step_dir(checkpoint, cfg.checkpoint.folder)
+        meta = build_on_meta(lambda: spec.build(model_args))
+        fingerprint = model_fingerprint([meta], model=cfg.model.name, flavor=run.flavor)
+        read_model(meta, step_dir, fingerprint, load=False)
     model = build_on_meta(lambda: spec.build(model_args)).to_empty(device="cpu")
     model.init_weights(cfg.training.seed)  # the trainer's initialisation (what --untrained evaluates)
     if step_dir is not None:
         model.to(as_dtype(cfg.training.dtype))
-        _checkpoint_manager(model, step_dir, cfg, run.flavor).load()
+        read_model(model, step_dir, fingerprint)
         source = f"checkpoint {step_dir}"
     elif cfg.model.hf_path:
         hf.load_into(spec, model, cfg.model.hf_path)
@@ -169,30 +147,8 @@ def load_model(
     else:
         source = f"untrained (seed {cfg.training.seed})"
     model = model.to(device=device, dtype=as_dtype(dtype)).eval()
-    label = f"{cfg.model.name}/{run.flavor or 'config.json'}"
     return Loaded(
-        model, tokenizer, cfg, spec, device, cfg.training.tokens_per_microbatch, f"{label} {source}"
-    )
-
-
-def _checkpoint_manager(model: nn.Module, step_dir: Path, cfg: Config, flavor: str) -> CheckpointManager:
-    """A manager that loads only the model entries of a trainer checkpoint (the optimizer, data and
-    schedule state stay on disk), after checking its fingerprint and its files' CRC-32s."""
-    if not (step_dir / "meta.json").is_file():
-        raise ValueError(
-            f"--checkpoint {step_dir}: no meta.json, so not a complete titan_thd trainer checkpoint (a folder "
-            "written by scripts/convert_hf.py to-dcp converts back with to-hf and loads via --model.hf_path)"
-        )
-    return CheckpointManager(
-        Checkpoint(
-            enable=True, folder=step_dir.parent.name, load_step=int(STEP_DIR.match(step_dir.name).group(1))
-        ),
-        str(step_dir.parent.parent),
-        model=model,
-        optimizer=None,
-        lr_schedulers=[],
-        states={},
-        fingerprint=model_fingerprint([model], model=cfg.model.name, flavor=flavor),
+        model, tokenizer, cfg, spec, device, cfg.training.tokens_per_microbatch, f"{run.model_label} {source}"
     )
 
 

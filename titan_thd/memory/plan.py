@@ -1,6 +1,6 @@
-"""Each rank's memory, decided once at start-up: `plan_memory(...) -> MemoryPlan`.
+"""Each rank's memory, decided once at start-up: `plan_memory(run) -> MemoryPlan`.
 
-    plan = plan_memory(spec, model_args, dims, stages, schedule, precision, "adamw", ...)
+    plan = plan_memory(run)  # the resolved run (titan_thd/run.py)
     plan.ranks[r]            # pipeline rank r's figures (one entry without pipeline parallelism)
     plan.host_bytes(4)       # what 4 ranks on one host need at once (the host-memory refusal)
 
@@ -21,22 +21,21 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections.abc import Callable, Collection
-from typing import Any
+from collections.abc import Collection
 
 import torch
 from torch import nn
 
+from titan_thd.components.optimizer import default_matrix_params
 from titan_thd.components.precision import Precision
-from titan_thd.config import ActivationCheckpoint, Config
 from titan_thd.memory import activations
 from titan_thd.memory.state import MemoryEstimate, estimate_memory_per_rank, local_numel, size
-from titan_thd.models.spec import ModelSpec
 from titan_thd.parallel.distributed import broadcast_object
 from titan_thd.parallel.parallel_dims import ParallelDims
 from titan_thd.parallel.seeded_init import BLOCK_BYTES
 from titan_thd.pipeline.schedule import max_in_flight
 from titan_thd.pipeline.split import rank_part
+from titan_thd.run import Run
 
 
 def startup_peak_bytes(
@@ -184,28 +183,20 @@ class MemoryPlan:
         return f" (before the tp {self.tp} split)" if self.tp > 1 else ""
 
 
-def plan_memory(
-    spec: ModelSpec,
-    model_args: Any,
-    dims: ParallelDims,
-    stages: list[list[int]] | None,
-    schedule: str,
-    precision: Precision,
-    optimizer: str,
-    matrix_params: Callable[[nn.Module], list[str]],
-    *,
-    ac: ActivationCheckpoint,
-    tokens: int,
-    narrow_ok: bool,
-    loads_checkpoint: bool = False,
-) -> MemoryPlan:
-    """Every pipeline rank's `RankMemory` (one without pipeline parallelism). `stages`: each stage's
-    layer ids (None at pp 1); `matrix_params`: the parameters Muon updates (read for optimizer muon);
-    `ac`: the recomputation the activation measurement applies; `loads_checkpoint`: model.hf_path is
-    read at start-up (one tensor's slice in flight, `startup_peak_bytes`);
-    `tokens`: one microbatch's tokens per context-parallel rank; `narrow_ok`: whether a model too
-    large to measure whole may be measured on narrowed copies (minutes of CPU)."""
-    acts = activations.activation_memory(spec, model_args, tokens, precision.compute, ac, narrow_ok=narrow_ok)
+def plan_memory(run: Run) -> MemoryPlan:
+    """Every pipeline rank's `RankMemory` (one without pipeline parallelism) for the run's model, layout
+    (`run.stages`: each stage's layer ids, None at pp 1), dtypes and optimizer (Muon's parameters:
+    `spec.matrix_params`); its activations measured on one microbatch of `run.tokens_per_rank` tokens
+    under activation_checkpoint (in a dry run a model too large to measure whole is measured on narrowed
+    copies: minutes of CPU); with model.hf_path (read at start-up unless a dry run), one tensor's slice
+    in flight (`startup_peak_bytes`). A function of the run alone: called once, by the ranks that
+    print or check it."""
+    spec, model_args, dims, stages, precision = run.spec, run.model_args, run.dims, run.stages, run.precision
+    schedule, optimizer = run.cfg.parallelism.pipeline_parallel_schedule, run.cfg.optimizer.name
+    matrix_params = spec.matrix_params or default_matrix_params
+    loads_checkpoint = bool(run.cfg.model.hf_path) and not run.fake
+    tokens, ac = run.tokens_per_rank, run.cfg.activation_checkpoint
+    acts = activations.activation_memory(spec, model_args, tokens, precision.compute, ac, narrow_ok=run.fake)
     with torch.device("meta"):
         full = spec.build(model_args)
     layers = stages if stages is not None else [[int(k) for k in full.layers]]
@@ -319,16 +310,14 @@ def host_refusal(
     )
 
 
-def refuse_beyond_host(
-    plan: MemoryPlan | None, available: float, cfg: Config, cp: int, is_main: bool
-) -> None:
+def refuse_beyond_host(plan: MemoryPlan | None, available: float, run: Run, is_main: bool) -> None:
     """ValueError on every rank when the fullest host's ranks cannot fit in `available` bytes (rank 0,
-    `is_main`, decides with its plan and tells the others: they refuse together). A collective."""
+    `is_main`, decides with its plan of `run` and tells the others: they refuse together). A collective."""
     message = ""
     if is_main:
         assert plan is not None  # rank 0 plans the memory
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        t, ac = cfg.training, cfg.activation_checkpoint
-        message = host_refusal(plan, local, available, t.tokens_per_microbatch, cp, ac.mode)
+        t, ac = run.cfg.training, run.cfg.activation_checkpoint
+        message = host_refusal(plan, local, available, t.tokens_per_microbatch, run.dims.cp, ac.mode)
     if message := broadcast_object(message):
         raise ValueError(message)

@@ -55,6 +55,12 @@ def resolve_mode(configured_mode: str, model: str, model_mode: CPMode) -> CPMode
     return model_mode if configured_mode == "auto" else configured_mode  # type: ignore[return-value]
 
 
+def default_pad_to_multiple(cp_degree: int, cp_mode: CPMode) -> int:
+    """data.pad_to_multiple = 0: 2 * cp where documents are zigzagged (zigzag, and hybrid's long ones),
+    else 1 (contiguous CP splits rows, not documents)."""
+    return 2 * cp_degree if cp_degree > 1 and cp_mode != "contiguous" else 1
+
+
 def check_layout(
     *,
     cp: int,

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from titan_thd.parallel.recompute import decided_once
 
@@ -55,24 +55,36 @@ def apply_ep(moes: list[nn.Module], mesh: DeviceMesh, ep_tp_mesh: DeviceMesh | N
     Under tensor parallelism (`ep_tp_mesh`: the 2-D (ep, tp) mesh) the stacks arrive split on their
     hidden columns over tp (the TP plan ran first); they become DTensors on (ep, tp) with
     `[Shard(0), Shard(hidden dim)]`: expert tensor parallelism equal to tp, so the MoE region's
-    output stays a partial sum over tp and its reduce-scatter completes it."""
+    output stays a partial sum over tp and its reduce-scatter completes it.
+
+    LoRA adapters of the experts (lora/layers.py: [E, ...] stacks, one per expert) travel with their
+    experts; one that tensor parallelism left whole (A of w1 / w3, B of w2) is `Replicate()` over tp
+    and keeps its partial-gradient mark."""
     for moe in moes:
         ids = local_expert_ids(moe.n_experts, mesh.size(), mesh.get_local_rank())
-        for name in EXPERT_WEIGHTS:
+        adapters = {n for pair in getattr(moe.experts, "lora_pairs", {}).values() for n in pair}
+        for name in (*EXPERT_WEIGHTS, *sorted(adapters)):
             p = getattr(moe.experts, name)
-            assert p.shape[0] == moe.n_experts and isinstance(p, DTensor) == (ep_tp_mesh is not None), name
+            split_by_tp = isinstance(p, DTensor)
+            assert p.shape[0] == moe.n_experts and (
+                split_by_tp == (ep_tp_mesh is not None) or name in adapters
+            )
             placements, out_mesh, data = [Shard(0)], mesh, p.data
-            if ep_tp_mesh is not None:  # this tp rank's hidden columns of every expert
+            if split_by_tp:  # this tp rank's hidden columns of every expert
                 (tp_placement,) = p.placements
                 assert isinstance(tp_placement, Shard) and tp_placement.dim != 0, (name, p.placements)
                 placements, out_mesh, data = [Shard(0), tp_placement], ep_tp_mesh, p.to_local()
+            elif ep_tp_mesh is not None:  # an adapter whole on every tp rank
+                placements, out_mesh = [Shard(0), Replicate()], ep_tp_mesh
             # Every rank holds the full stack (built from one seed): keep a copy of the local slice
             # (no scatter; a view would keep the whole stack's storage alive).
             mine = data[ids.start : ids.stop].clone()
             shard = DTensor.from_local(
                 mine, out_mesh, placements, run_check=False, shape=p.shape, stride=p.stride()
             )
-            moe.experts.register_parameter(name, nn.Parameter(shard, requires_grad=p.requires_grad))
+            param = nn.Parameter(shard, requires_grad=p.requires_grad)
+            param.__dict__.update(p.__dict__)  # the tensor-parallel gradient marks
+            moe.experts.register_parameter(name, param)
         moe.ep_group = mesh.get_group()
 
 
@@ -120,11 +132,12 @@ def _splits(
     return recv_PL, counts_E.view(ep, per_rank).sum(1).tolist(), recv_PL.sum(1).tolist()
 
 
-def validate_expert_parallel(*, degree: int, n_experts: int | None, model: str) -> None:
-    """ep must split the model's routed experts evenly (dp x cp is ParallelDims' check)."""
+def validate_expert_parallel(*, degree: int, n_experts: int, model: str) -> None:
+    """ep must split the model's `n_experts` routed experts evenly (0 = none; dp x cp is ParallelDims'
+    check)."""
     if degree == 1:
         return
-    if n_experts is None:
+    if n_experts == 0:
         raise ValueError(
             f"parallelism.expert_parallel_degree = {degree}: model {model} has no routed experts; use 1"
         )

@@ -1,12 +1,12 @@
 """The front door of the model's execution: one `build` for every layout, one runner interface.
 
-    parts = build(model, spec, dims, stages=run.stages, compile=run.compile.on, ac=cfg.activation_checkpoint, ...)
+    parts = build(model, run, device, init)                      # run: titan_thd/run.py
     ce_sum, aux_sums = parts.runner.step(inputs, num_trained)   # forward + backward of a step
     ce_sum = parts.runner.forward_only(inputs)                   # validation
     clip_grad_norm_(parts.runner.norm_params(), ..., pp_group=parts.runner.pp_group,
                     also_scale=parts.runner.also_scale)
 
-`build` cuts the model into this rank's pipeline stages when `stages` is given (split.py; the model's
+`build` cuts the model into this rank's pipeline stages when `run.stages` is given (split.py; the model's
 `PipelineSpec` says what sits where), runs the model's `parallelize` on each chunk (TP, EP, compile,
 activation recomputation, FSDP: its own fixed sequence; so `activation_checkpoint.layers` counts the
 blocks of each stage) and returns the rank's module (which owns the parameters: optimizer,
@@ -23,16 +23,13 @@ import torch
 from torch import nn
 
 from titan_thd.components.loss import cross_entropy_sum, loss_context
-from titan_thd.components.precision import Precision
-from titan_thd.config import ActivationCheckpoint
-from titan_thd.config.choices import Schedule
 from titan_thd.data.packed_batch import PackedBatch
-from titan_thd.models.spec import ModelSpec, count_params
+from titan_thd.models.spec import count_params
 from titan_thd.parallel.fsdp import materialize_sharded
-from titan_thd.parallel.parallel_dims import ParallelDims
 from titan_thd.parallel.tensor_parallel import reduce_replicated_grads
 from titan_thd.pipeline.schedule import PipelineSchedule, StageInput, tied_groups
 from titan_thd.pipeline.split import chunk_views, split_model
+from titan_thd.run import Run
 
 
 class LocalRunner:
@@ -105,24 +102,15 @@ class ModelParts:
 
 
 def build(
-    model: nn.Module,
-    spec: ModelSpec,
-    dims: ParallelDims,
-    *,
-    model_args,
-    stages: list[list[int]] | None,
-    schedule: Schedule,
-    tokens_per_microbatch: int,
-    compile: bool,
-    ac: ActivationCheckpoint,
-    precision: Precision,
-    device: torch.device,
-    init: Callable[[nn.Module], None] | None,
+    model: nn.Module, run: Run, device: torch.device, init: Callable[[nn.Module], None] | None
 ) -> ModelParts:
-    """This rank's part of the meta-device `model` under the layout (`stages`: each pipeline stage's
-    layer ids, None without pipeline parallelism; `schedule`: the pipeline schedule's name), allocated
-    on `device` and filled by `init` (None: a fake-process-group dry run's values), with its runner; the stages exchange activations and their gradients in the compute dtype. Every rank must call it (process groups
-    of tied weights are created collectively)."""
+    """This rank's part of the meta-device `model` under the run's layout (`run.stages`: each pipeline
+    stage's layer ids, None without pipeline parallelism; the pipeline schedule, compile, activation
+    recomputation and dtypes: the run's), allocated on `device` and filled by `init` (None: a
+    fake-process-group dry run's values), with its runner; the stages exchange activations and their
+    gradients in the compute dtype. Every rank must call it (process groups of tied weights are created
+    collectively)."""
+    spec, dims, stages, precision = run.spec, run.dims, run.stages, run.precision
     chunks, tied = [model], ()
     if stages is not None:  # keep this rank's stages only (before sharding them over dp x cp)
         assert spec.pipeline is not None, spec.name  # validate_pipeline refused it at start-up
@@ -132,7 +120,8 @@ def build(
         chunks = chunk_views(spec.pipeline, model, stages, pp_rank, pp, tied)
     num_params = count_params(model)
     if spec.parallelize is not None:  # each chunk is sharded as a model of its own
-        chunks = [spec.parallelize(c, dims, compile=compile, ac=ac, precision=precision) for c in chunks]
+        ac, on = run.cfg.activation_checkpoint, run.compile.on
+        chunks = [spec.parallelize(c, dims, compile=on, ac=ac, precision=precision) for c in chunks]
     # Only now is memory allocated: this rank's shards of its stages, on its device.
     if init is None:  # a fake-process-group dry run: values only to run the step
         materialize_sharded(model)
@@ -150,9 +139,9 @@ def build(
         pp_rank,
         pp,
         dims.get_mesh("pp").get_group(),
-        schedule,
+        run.cfg.parallelism.pipeline_parallel_schedule,
         # Under tensor parallelism the boundary carries this tp rank's sequence-parallel rows.
-        spec.pipeline.boundary_shape(model_args, tokens_per_microbatch // dims.cp // dims.tp),
+        spec.pipeline.boundary_shape(run.model_args, run.tokens_per_rank // dims.tp),
         precision.compute,
         device,
         tied=[q for n in tied for q in getattr(model, n).parameters()] if on_end else [],

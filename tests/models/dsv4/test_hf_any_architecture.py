@@ -74,9 +74,9 @@ def one_thread():
 def test_architecture_comes_from_config_json_and_trains(tmp_path, checkpoint, one_thread):
     reference, path = checkpoint
     assert all(f.architecture() != ARGS.architecture() for f in flavors.values())
-    trainer = Trainer(_cfg(tmp_path, "--model.hf_path", str(path)))
+    trainer = Trainer(resolve_run(_cfg(tmp_path, "--model.hf_path", str(path))))
     try:
-        assert trainer.model_args.architecture() == ARGS.architecture()
+        assert trainer.run.model_args.architecture() == ARGS.architecture()
         ce = assert_loaded_and_first_ce(trainer, reference)
         step_batch = trainer.dataloader.steps[0]
         trainer.train()

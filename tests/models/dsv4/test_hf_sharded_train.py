@@ -19,6 +19,7 @@ from tests.conftest import TRAIN_ARGS
 from tests.models.dsv4._release import write_release
 from titan_thd.config import load_config
 from titan_thd.models.dsv4.model import build_dsv4
+from titan_thd.startup import resolve_run
 from titan_thd.train import Trainer
 
 from .test_hf_any_architecture import ARGS as _ARGS
@@ -51,7 +52,7 @@ def _first_step(dump) -> dict:
 
 
 def _train(argv: list[str]) -> None:
-    trainer = Trainer(load_config(argv))
+    trainer = Trainer(resolve_run(load_config(argv)))
     try:
         trainer.train()
     finally:

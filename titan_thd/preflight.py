@@ -1,0 +1,87 @@
+"""What a run reads and writes outside the config, checked before it starts: its folders (by
+`resolve_run`), the outputs of another run it would replace (by the Trainer), and, with
+--job.preflight (run by run_train.sh before torchrun), every input its ranks would read before their
+first step, read here in one process so that an input error is one line and not torchrun's failure
+report.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from pathlib import Path
+
+from titan_thd.components import run_settings
+from titan_thd.components.checkpoint import CheckpointManager
+from titan_thd.components.checkpoint_folder import checkpoint_steps, model_fingerprint
+from titan_thd.config import Config
+from titan_thd.data.dataloader import OrderedSteps, build_dataloader
+from titan_thd.data.stores import build_stores
+from titan_thd.parallel.fsdp import build_on_meta
+from titan_thd.run import Run
+
+logger = logging.getLogger("titan_thd")
+
+
+def check_folders(cfg: Config) -> None:
+    """ValueError when job.dump_folder (writable), the data cache or the checkpoint folder cannot be a
+    folder (each is created when missing): it or a parent is a file."""
+    job = cfg.job
+    _check_folder("job.dump_folder", job.dump_folder, Path(job.dump_folder), writable=True)
+    if cfg.data.source != "packed":
+        key = "data.cache_dir" if cfg.data.cache_dir else "job.dump_folder"
+        _check_folder(key, cfg.data.cache_dir or job.dump_folder, Path(cfg.data.cache_dir or job.dump_folder))
+    if cfg.checkpoint.enable:
+        folder = Path(job.dump_folder) / cfg.checkpoint.folder
+        _check_folder("checkpoint.folder", cfg.checkpoint.folder, folder)
+
+
+def _check_folder(key: str, value: str, folder: Path, writable: bool = False) -> None:
+    """ValueError when `folder` (created when missing) cannot be one: it or a parent is not a folder."""
+    for p in (folder, *folder.absolute().parents):
+        if not p.exists():
+            continue
+        if not p.is_dir():
+            raise ValueError(f"{key} = {value!r}: {p} exists and is not a folder")
+        if writable and not os.access(p, os.W_OK | os.X_OK):
+            raise ValueError(f"{key} = {value!r}: {p} is not writable")
+        return
+
+
+def check_outputs(cfg: Config) -> None:
+    """ValueError when a new run would replace another run's metrics in job.dump_folder
+    (components/run_settings.py check_run_folder)."""
+    checkpoints = checkpoint_steps(Path(cfg.job.dump_folder) / cfg.checkpoint.folder)
+    run_settings.check_run_folder(cfg, checkpoints)
+
+
+def preflight(run: Run) -> None:
+    """Read what the ranks of `run` (resolved for NGPU processes) would read before their first step, in
+    this one process and without a process group: the tokenizer, the data (tokenised into the cache
+    that the run then reuses), the checkpoint to resume (its model and settings, as the trainer's
+    resume checks them) and the run folder's outputs."""
+    cfg = run.cfg
+    layout = run.layout(dp_rank=0)
+    store = None
+    if cfg.data.source != "packed":
+        store, val_store = build_stores(
+            cfg.data, cfg.validation, run.tokenizer, cfg.training.seed, run.cache_dir, progress=True
+        )
+        if val_store is not None:
+            OrderedSteps(
+                val_store.view(layout.T, cfg.data.overlong), layout, pad_to_multiple=run.pad_to_multiple
+            )
+    build_dataloader(dataclasses.replace(cfg.data, num_workers=0), store, layout, run.tokenizer)
+    if cfg.checkpoint.enable:  # the fingerprint has global shapes: a model on the meta device has them
+        model = build_on_meta(lambda: run.spec.build(run.model_args))
+        CheckpointManager(
+            cfg.checkpoint,
+            cfg.job.dump_folder,
+            model=model,  # the model entries alone: no optimizer, data or schedule state
+            fingerprint=model_fingerprint([model], model=cfg.model.name, flavor=run.flavor),
+            settings=run_settings.run_settings(cfg),
+            layout=run_settings.run_layout(run.dims, cfg.training.steps),
+        ).check_resumable()
+    check_outputs(cfg)
+    logger.info("preflight: inputs of a %d-process run are fine", run.dims.world_size)
