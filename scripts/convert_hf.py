@@ -31,7 +31,7 @@ process (docs/dsv4.md §17.3).
 
 The DCP state dict has the trainer's layout (`{"model": {fqn: tensor}}`, so keys `model.<fqn>`),
 written by one process; DCP reshards it when a multi-rank job loads it. The model family is reached
-through its ModelSpec (`hf_args` reads config.json, `init_from_hf` loads, `export_hf` writes; the
+through its ModelSpec's Hugging Face adapter (`spec.hf`, read and written by titan_thd/models/hf/; the
 names live in titan_thd/models/<family>/). `to-dcp` reads DeepSeek's published FP8 / packed-FP4
 checkpoints too: their weights are dequantised to float32 (docs/dsv4.md §17.1). For `to-hf` the
 architecture comes from the flavor (its vocabulary size is taken from the checkpoint's embedding, since
@@ -73,7 +73,7 @@ HF_EXTRA = "the hf extra (safetensors, transformers): install it with ./scripts/
 
 
 def hf_family(hf_dir: Path):
-    """(spec, args) of the family whose `hf_args` reads the folder's config.json (its model_type)."""
+    """(spec, args) of the family whose adapter reads the folder's config.json (its model_type)."""
     errors = []
     for name in MODEL_NAMES:
         spec = get_model_spec(name)
@@ -101,7 +101,7 @@ def to_dcp(hf_dir: Path, out: Path, flavor: str | None) -> None:
         warnings.simplefilter("ignore")
         dcp.save({"model": model.state_dict()}, storage_writer=dcp.FileSystemWriter(out))
     shutil.copy(hf_dir / "config.json", out / "config.json")
-    print(f"wrote {out}: {len(model.state_dict())} model tensors, args {args.architecture()}")
+    print(f"wrote {out}: {len(model.state_dict())} model tensors, args {spec.hf.architecture(args)}")
 
 
 def run_to_hf(
@@ -112,11 +112,12 @@ def run_to_hf(
     cfg = inference_config(config_argv(config) + overrides)
     run = resolve_run(cfg, 1)
     if run.spec.hf is None:
-        raise ValueError(f"model {cfg.model.name} has no Hugging Face export (its ModelSpec.export_hf)")
+        raise ValueError(f"model {cfg.model.name} has no Hugging Face export (its ModelSpec.hf is None)")
     step_dir = resolve_checkpoint(src, cfg.checkpoint.folder)
     meta = build_on_meta(lambda: run.spec.build(run.model_args))
     _checkpoint_manager(meta, step_dir, cfg, run.flavor).check_resumable()  # fingerprint, CRCs
-    hf.export(run.spec,
+    hf.export(
+        run.spec,
         DcpSource(step_dir, "model."),
         run.model_args,
         out,
@@ -135,7 +136,7 @@ def _dcp_args(spec, source: DcpSource, flavor: str | None, hf_config: Path | Non
     (the trainer rounds the tokenizer's up): the model's first tensor is its embedding [V, d]."""
     if hf_config is not None:
         if spec.hf is None:
-            raise ValueError(f"model {spec.name} reads no config.json (its ModelSpec has no hf_args)")
+            raise ValueError(f"model {spec.name} reads no config.json (its ModelSpec.hf is None)")
         if hf_config.name == "config.json":
             return hf.folder_args(spec, str(hf_config.parent))
         with tempfile.TemporaryDirectory() as tmp:
@@ -166,7 +167,7 @@ def to_hf(
     spec = args = None
     for name in MODEL_NAMES:
         candidate = get_model_spec(name)
-        if candidate.export_hf is None or (flavor is not None and flavor not in candidate.flavors):
+        if candidate.hf is None or (flavor is not None and flavor not in candidate.flavors):
             continue
         try:
             cand_args = _dcp_args(candidate, source, flavor, hf_config)
@@ -199,7 +200,9 @@ def to_hf(
     ]
     if shapes:
         raise ValueError(f"{dcp_dir} does not have this architecture's shapes: " + "; ".join(shapes[:5]))
-    hf.export(spec, source, args, out, getattr(torch, dtype) if dtype else None, max_shard_size=max_shard_size)
+    hf.export(
+        spec, source, args, out, getattr(torch, dtype) if dtype else None, max_shard_size=max_shard_size
+    )
     files = sorted(p.name for p in out.iterdir() if p.suffix == ".safetensors")
     print(
         f"wrote {out}: config.json + {len(files)} safetensors file(s)"

@@ -3,8 +3,12 @@ model lists exactly the spec's fields; no code outside titan_thd/models/ names a
 one or tests for its classes."""
 
 import ast
+import collections.abc
 import dataclasses
+import inspect
 import re
+import types
+import typing
 from pathlib import Path
 
 import pytest
@@ -13,8 +17,9 @@ from titan_thd.models import MODEL_NAMES, get_model_spec
 from titan_thd.models.dsv4 import update_router_bias
 from titan_thd.models.dsv4.decode import DSv4Decoder
 from titan_thd.models.dsv4.hf_adapter import HF as DSV4_HF
+from titan_thd.models.hf.adapter import HFAdapter
 from titan_thd.models.llama.decode import LlamaDecoder
-from titan_thd.models.spec import ModelSpec, ParallelSpec, PipelineSpec
+from titan_thd.models.spec import CompileSpec, ModelSpec, ParallelSpec, PipelineSpec
 
 
 def test_misspelt_hook_is_a_type_error():
@@ -43,25 +48,115 @@ def test_specs_hooks():
         llama.after_optimizer_step = update_router_bias
 
 
-def _table_fields(text: str, heading: str) -> list[str]:
-    """The backquoted names in the first column of the table under `heading` (up to the next heading)."""
+def _table_rows(text: str, heading: str) -> list[tuple[str, list[str] | None, str]]:
+    """(name, documented arguments or None, type) of each row of the table under `heading` (up to
+    the next heading): first column `name(a, b, *, c)` or `name`, second the type in backquotes."""
     section = text.split(heading, 1)[1].split("\n#", 1)[0]
-    names = []
+    rows = []
     for line in section.splitlines():
-        cells = line.split("|")
-        if len(cells) > 2 and cells[1].strip().startswith("`"):
-            names.append(re.match(r"`(\w+)", cells[1].strip()).group(1))
-    return names
+        cells = [c.strip() for c in re.split(r"(?<!\\)\|", line)]
+        if len(cells) > 3 and cells[1].startswith("`"):
+            m = re.fullmatch(r"`(\w+)(?:\((.*)\))?`", cells[1])
+            params = None if m.group(2) is None else [a.strip() for a in m.group(2).split(",")]
+            rows.append((m.group(1), params, cells[2].strip("`").replace("\\|", "|")))
+    return rows
+
+
+def _positional(params: list[str]) -> list[str]:
+    return params[: params.index("*")] if "*" in params else params
+
+
+def _callable_args(hint) -> list | None:
+    """The argument types of a Callable annotation (Optional unwrapped); ... as Ellipsis; None if the
+    annotation is not a Callable."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    if typing.get_origin(hint) is not collections.abc.Callable:
+        return None
+    return typing.get_args(hint)[0]
+
+
+SPEC_TABLES = {
+    "## 2. What a ModelSpec holds": ModelSpec,
+    "### ParallelSpec": ParallelSpec,
+    "### CompileSpec": CompileSpec,
+    "### PipelineSpec": PipelineSpec,
+    "### HFAdapter": HFAdapter,
+}
+
+
+def _hooks(cls, name: str) -> list:
+    """Every registered family's value of the field `name` of `cls` (for Callable[..., R] fields,
+    whose arguments the annotation does not say)."""
+    specs = [get_model_spec(n) for n in MODEL_NAMES]
+    owner = {ModelSpec: lambda s: s, ParallelSpec: lambda s: s.parallel, CompileSpec: lambda s: s.compile}
+    return [getattr(owner[cls](s), name) for s in specs if getattr(owner[cls](s), name, None) is not None]
 
 
 def test_the_guide_lists_exactly_the_spec_fields():
-    """docs/adding_a_model.md's tables list every field of ModelSpec and PipelineSpec, in order, and
-    nothing else: a field added to the spec without a line in the guide fails here."""
+    """docs/adding_a_model.md's tables list every field of ModelSpec, ParallelSpec, CompileSpec,
+    PipelineSpec and HFAdapter, in order, with its type as the dataclass annotates it, and each hook
+    with as many arguments as its Callable takes (a `Callable[..., R]` hook: the positional and
+    keyword-only arguments of every family's hook): a field added or changed without its line in the
+    guide fails here."""
     text = (Path(__file__).resolve().parents[2] / "docs" / "adding_a_model.md").read_text()
-    assert _table_fields(text, "## 2. What a ModelSpec holds") == [
-        f.name for f in dataclasses.fields(ModelSpec)
-    ]
-    assert _table_fields(text, "### PipelineSpec") == [f.name for f in dataclasses.fields(PipelineSpec)]
+    for heading, cls in SPEC_TABLES.items():
+        rows = _table_rows(text, heading)
+        fields = dataclasses.fields(cls)
+        assert [r[0] for r in rows] == [f.name for f in fields], heading
+        hints = typing.get_type_hints(cls)
+        for (name, params, documented), f in zip(rows, fields, strict=True):
+            assert documented == f.type, (heading, name, documented, f.type)
+            args = _callable_args(hints[name])
+            assert (params is None) == (args is None), (heading, name, "a hook is written name(args)")
+            if args is Ellipsis:
+                for hook in _hooks(cls, name):
+                    sig = inspect.signature(hook).parameters.values()
+                    kw = [p.name for p in sig if p.kind is p.KEYWORD_ONLY]
+                    assert len(_positional(params)) == sum(p.kind is p.POSITIONAL_OR_KEYWORD for p in sig), (
+                        name
+                    )
+                    assert params[len(_positional(params)) + 1 :] == kw, (name, hook, kw)
+            elif args is not None:
+                assert len(params) == len(args), (heading, name, params, args)
+
+
+def _field_docs(path: Path, cls: str) -> dict[str, str]:
+    """{field: its docstring} of a dataclass in a source file (the string after each annotation)."""
+    body = next(
+        n for n in ast.parse(path.read_text()).body if isinstance(n, ast.ClassDef) and n.name == cls
+    ).body
+    return {
+        a.target.id: d.value.value
+        for a, d in zip(body, body[1:])
+        if isinstance(a, ast.AnnAssign) and isinstance(d, ast.Expr) and isinstance(d.value, ast.Constant)
+    }
+
+
+def test_the_spec_docstrings_give_each_hook_its_arguments():
+    """Each Callable field's docstring starts with its arguments, `(a, b) -> ...` or `a -> ...`, as many
+    as the annotation takes (a `Callable[..., R]` hook: its keyword-only names are every family's)."""
+    files = {HFAdapter: MODELS_DIR / "hf" / "adapter.py"}
+    for cls in SPEC_TABLES.values():
+        docs = _field_docs(files.get(cls, MODELS_DIR / "spec.py"), cls.__name__)
+        for name, hint in typing.get_type_hints(cls).items():
+            args = _callable_args(hint)
+            if args is None:
+                continue
+            doc = " ".join(docs[name].split())
+            m = re.match(r"\(([^()]*)\) ->", doc) or re.match(r"([^(),]+?) ->", doc)
+            assert m, f"{cls.__name__}.{name}: the docstring should start with its arguments: {doc[:60]!r}"
+            params = [a.strip() for a in m.group(1).split(",")]
+            if args is Ellipsis:
+                for hook in _hooks(cls, name):
+                    kw = [
+                        p.name
+                        for p in inspect.signature(hook).parameters.values()
+                        if p.kind is p.KEYWORD_ONLY
+                    ]
+                    assert params[len(_positional(params)) + 1 :] == kw, (cls.__name__, name, params, kw)
+            else:
+                assert len(params) == len(args), (cls.__name__, name, params, args)
 
 
 REPO = Path(__file__).resolve().parents[2]

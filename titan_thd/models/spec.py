@@ -68,8 +68,8 @@ class ParallelSpec:
     tp_divides: Callable[[Any], dict[str, int]] = field(default=lambda args: {})
     """args -> {size name: size} that parallelism.tensor_parallel_degree must divide (heads, groups)."""
     expert_params: Callable[[nn.Module], list[str]] = field(default=lambda model: [])
-    """Names of the parameters expert parallelism places (each on 1 / ep of the ranks): the memory
-    estimate of a model not yet split (the pipeline stage lines) counts their unsharded copies."""
+    """model -> names of the parameters expert parallelism places (each on 1 / ep of the ranks): the
+    memory estimate of a model not yet split (the pipeline stage lines) counts their unsharded copies."""
     routed_experts: Callable[[Any], int] = field(default=lambda args: 0)
     """args -> how many routed experts expert parallelism splits over its ranks (0 = none:
     parallelism.expert_parallel_degree > 1 is refused)."""
@@ -120,8 +120,8 @@ class ModelSpec:
     """How the model splits into pipeline stages; None = parallelism.pipeline_parallel_degree > 1 is
     refused."""
     matrix_params: Callable[[nn.Module], list[str]] | None = None
-    """Names of parameters that Muon updates (the rest go to AdamW); None = every 2-D weight except
-    embeddings and the LM head."""
+    """model -> names of the parameters that Muon updates (the rest go to AdamW); None = every 2-D
+    weight except embeddings and the LM head."""
     # Optional trainer hooks: typed fields, so a misspelt hook is a TypeError when the spec is built.
     hf: HFAdapter | None = None
     """The family's Hugging Face format (models/hf/adapter.py): tensor names and config.json both ways,

@@ -95,10 +95,10 @@ class HFAdapter:
     """args -> {field: value} of every field config.json fixes: a flavor or args given with a
     folder must agree on each (the error names every difference)."""
     hf_module: Callable[[str], str]
-    """Our module path (`layers.3.attn.wq_a`; dsv4's expert stacks by parameter,
-    `layers.3.ffn.experts.w1`) -> the path of the same module (parameter) in transformers' model
-    (`model.layers.3.self_attn.q_a_proj`, `model.layers.3.mlp.experts.gate_up_proj`): the names of
-    PEFT adapter files. ValueError for a module transformers does not have (dsv4's MTP)."""
+    """our module path -> the path of the same module in transformers' model, the names of PEFT
+    adapter files: `layers.3.attn.wq_a` -> `model.layers.3.self_attn.q_a_proj`; dsv4's expert stacks
+    by parameter, `layers.3.ffn.experts.w1` -> `model.layers.3.mlp.experts.gate_up_proj` (a parameter
+    of transformers' fused experts). ValueError for a module transformers does not have (dsv4's MTP)."""
     optional: tuple[str, ...] = ()
     """Top-level modules a folder may lack as a whole (dsv4's `mtp`: transformers writes none): they
     keep their initialisation, with one warning."""
