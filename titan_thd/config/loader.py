@@ -33,7 +33,8 @@ else:  # pragma: no cover
 # ============================================================================ coercion
 def coerce(key: str, value: Any, typ: Any, from_cli: bool) -> Any:
     """Convert `value` to `typ` (from the command line: from its text); ValueError naming the key, the
-    value and the expected type. Also used for the entries of [model.args] (titan_thd/startup.py)."""
+    value and the expected type. Also used for the entries of [model.args] (`get_model_args`,
+    titan_thd/models/__init__.py)."""
 
     def bad(expected: str) -> ValueError:
         return ValueError(f"{key}: got {value!r}, expected {expected}")
