@@ -56,14 +56,15 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from titan_thd.components.checkpoint_folder import META_FILE, PER_EXPERT_PARAM, write_meta
-from titan_thd.inference.loading import (
-    _checkpoint_manager,
-    config_argv,
-    inference_config,
-    one_line,
-    resolve_checkpoint,
+from titan_thd.components.checkpoint import read_model
+from titan_thd.components.checkpoint_folder import (
+    META_FILE,
+    PER_EXPERT_PARAM,
+    model_fingerprint,
+    resolve_step_dir,
+    write_meta,
 )
+from titan_thd.inference.loading import config_argv, inference_config, one_line
 from titan_thd.models import MODEL_NAMES, get_model_spec, hf
 from titan_thd.models.hf.write import DEFAULT_MAX_SHARD_SIZE, DcpSource, parse_size
 from titan_thd.parallel.fsdp import build_on_meta
@@ -113,9 +114,9 @@ def run_to_hf(
     run = resolve_run(cfg, 1)
     if run.spec.hf is None:
         raise ValueError(f"model {cfg.model.name} has no Hugging Face export (its ModelSpec.hf is None)")
-    step_dir = resolve_checkpoint(src, cfg.checkpoint.folder)
+    step_dir = resolve_step_dir(src, cfg.checkpoint.folder)
     meta = build_on_meta(lambda: run.spec.build(run.model_args))
-    _checkpoint_manager(meta, step_dir, cfg, run.flavor).check_resumable()  # fingerprint, CRCs
+    read_model(meta, step_dir, model_fingerprint([meta], model=cfg.model.name, flavor=run.flavor), load=False)
     hf.export(
         run.spec,
         DcpSource(step_dir, "model."),
