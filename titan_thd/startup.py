@@ -38,7 +38,6 @@ from titan_thd.data.stores import check_validation_path
 from titan_thd.data.tokenizer import Tokenizer, build_tokenizer
 from titan_thd.models import get_model_args, get_model_spec, hf
 from titan_thd.models.compile import has_cpp_compiler, resolve_compile
-from titan_thd.models.hf_folder import hf_vocab_size
 from titan_thd.models.spec import ModelSpec
 from titan_thd.parallel.activation_checkpoint import validate_activation_checkpoint
 from titan_thd.parallel.context_parallel import (
@@ -163,7 +162,7 @@ def _resolve_model(cfg: Config) -> tuple[ModelSpec, str, str, Tokenizer, Any]:
     args = get_model_args(m.name, flavor, m.args)  # "": the default flavor's dataclass, replaced below
     tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.data.chat_template)
     if m.hf_path:  # the checkpoint fixes the embedding size
-        vocab_size = hf_vocab_size(m.hf_path, tokenizer.vocab_size)
+        vocab_size = hf.vocab_size(m.hf_path, tokenizer.vocab_size)
     else:  # a multiple of 64 rows (matmul-friendly; the extra ids are never seen)
         vocab_size = -(-tokenizer.vocab_size // 64) * 64
     if from_hf:  # config.json's architecture, [model.args] (typed above) over it

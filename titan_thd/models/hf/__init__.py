@@ -13,7 +13,7 @@ transformers' module names) and sets `ModelSpec.hf`; everything else is here, on
 
 from titan_thd.models.hf.adapter import HFAdapter, module_name, plain_sources, rename
 from titan_thd.models.hf.export import export
-from titan_thd.models.hf.load import check, folder_args, load, load_into, match_args, read_config
+from titan_thd.models.hf.load import check, folder_args, load, load_into, match_args, read_config, vocab_size
 
 __all__ = [
     "HFAdapter",
@@ -27,4 +27,5 @@ __all__ = [
     "plain_sources",
     "read_config",
     "rename",
+    "vocab_size",
 ]

@@ -5,6 +5,7 @@ flavor against it, and the load of its weights into a plain or sharded model (ea
     check(spec, args, path, "model.flavor = 'tiny'")       # ValueError naming every difference
     stats = load_into(spec, model, path)                  # allocated model (plain / DTensor shards)
     model = load(spec, path)                              # built from config.json, float32 on CPU
+    rows = vocab_size(path, tokenizer.vocab_size)         # start-up: the embedding's rows
 
 The family says only how (its `ModelSpec.hf`, an `HFAdapter`, models/hf/adapter.py). `load_into`
 plans every tensor of the model from the folder's headers, checks the plan against the full model
@@ -51,6 +52,25 @@ def read_config(path: str | Path, prefix: str = "") -> dict:
             f"{prefix}{path}: not a folder (a Hugging Face folder holds config.json + *.safetensors)"
         )
     return read_json_object(path / CONFIG_FILE, prefix, missing=" (a Hugging Face folder holds config.json)")
+
+
+def vocab_size(path: str | Path, tokenizer_vocab: int) -> int:
+    """`vocab_size` of the config.json of `model.hf_path` (start-up: it fixes the embedding's rows, for
+    every family); ValueError naming model.hf_path and the file unless it covers the tokenizer's ids."""
+    if not Path(path).is_dir():
+        raise ValueError(f"model.hf_path = {str(path)!r}: the folder does not exist (or is not a folder)")
+    cfg_file = Path(path) / CONFIG_FILE
+    vocab = read_config(path, prefix=f"model.hf_path = {str(path)!r}: ").get("vocab_size")
+    if vocab is None:
+        raise ValueError(f"model.hf_path: {cfg_file} has no vocab_size")
+    if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1:
+        raise ValueError(f"model.hf_path: {cfg_file}: vocab_size = {vocab!r}, expected a positive integer")
+    if vocab < tokenizer_vocab:
+        raise ValueError(
+            f"model.hf_path: {cfg_file} has vocab_size = {vocab}, fewer rows than the tokenizer's "
+            f"{tokenizer_vocab} ids (data.tokenizer must be the checkpoint's tokenizer)"
+        )
+    return vocab
 
 
 def folder_args(spec: ModelSpec, path: str | Path) -> Any:
