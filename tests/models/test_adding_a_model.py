@@ -1,7 +1,8 @@
-"""A third family from docs/adding_a_model.md alone: a toy model, its spec (§1-2) and the guide's own
-Hugging Face adapter (§6, the code block executed as written) registered like a family; the generic
-door then exports it and loads it back bitwise, checks a folder against a flavor, and names
-transformers' modules, with no other Hugging Face code written for it."""
+"""A third family from the guide alone: a toy model, its spec (docs/adding_a_model.md §2) and
+the guide's own Hugging Face adapter (docs/adding_a_model.md §6, its code block run as written),
+registered like a family; the generic door then exports it and loads it back bitwise, checks a
+folder against a flavor, and names transformers' modules, with no other Hugging Face code written
+for it."""
 
 from __future__ import annotations
 
@@ -61,7 +62,7 @@ class Toy(nn.Module):
 
 
 def guide_adapter():
-    """The adapter of the guide's §6, its code block run as written (`ToyArgs` is the family's)."""
+    """The adapter of docs/adding_a_model.md §6, its code block run as written (`ToyArgs` is the family's)."""
     section = GUIDE.read_text().split("## 6. Hugging Face weights", 1)[1]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     namespace = {"ToyArgs": ToyArgs}

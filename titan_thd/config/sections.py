@@ -155,7 +155,7 @@ class Training:
     norms and SwiGLU, the llama SwiGLU (docs/dsv4.md §18). The first step pays the compile (tens of
     seconds on a CPU, logged after it); the float64 results stay the eager ones up to rounding.
     `true`, `false`, or `auto`: on where it was measured faster and the run is long enough to repay
-    the compile (ModelSpec.compile_payback_steps; a CPU with a C++ compiler), off elsewhere; the log
+    the compile (ModelSpec.compile.payback_steps; a CPU with a C++ compiler), off elsewhere; the log
     header says which and why."""
 
 

@@ -8,7 +8,7 @@ packer sizes every microbatch with `RowRule.rows`, so the two cannot disagree:
     multiple   the documents' padding multiple (data.pad_to_multiple), the CP split (contiguous: cp
                rows; zigzag / hybrid: 2 * cp chunks) and sequence-parallel TP (each CP rank's rows in
                tp equal shares): every row count is a multiple of their lcm
-    minimum    the smallest local shard the model computes (ModelSpec.min_tokens_per_cp_rank, e.g.
+    minimum    the smallest local shard the model computes (ModelSpec.parallel.min_tokens_per_cp_rank, e.g.
                dsv4's CP halo) on every CP rank, rounded up to the multiple; at least one multiple,
                so that every CP / TP rank holds a row
     fixed      pipeline parallelism (fixed P2P shapes between stages) or data.trim_padding = false:

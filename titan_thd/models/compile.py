@@ -80,7 +80,7 @@ def resolve_compile(
     choice: CompileChoice, model: str, payback_steps: int, steps: int, device: str
 ) -> CompileDecision:
     """training.compile on `device` ("cpu" / "cuda") for a run of `steps`; `payback_steps` is the
-    model's ModelSpec.compile_payback_steps. An explicit choice is taken as it is (checked elsewhere)."""
+    model's ModelSpec.compile.payback_steps. An explicit choice is taken as it is (checked elsewhere)."""
     if choice != "auto":
         return CompileDecision(bool(choice), choice)
     if device != "cpu":

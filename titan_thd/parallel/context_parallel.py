@@ -1,7 +1,7 @@
 """Context parallelism: the front door. Its rules live here (docs/design.md §3.3).
 
 A CP group of `cp` ranks splits every microbatch's T rows; a model computes exactly under one
-split, which its `ModelSpec.cp_mode` declares (llama: zigzag, dsv4: contiguous), and
+split, which its `ModelSpec.parallel.cp_mode` declares (llama: zigzag, dsv4: contiguous), and
 `parallelism.context_parallel_mode = "auto"` (the default) follows it.
 
     mode = validate_context_parallel(degree=..., configured_mode=..., model=..., ...)  # start-up

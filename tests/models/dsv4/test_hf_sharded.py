@@ -1,5 +1,6 @@
-"""The sharded streaming HF load (models/hf/load.py, models/hf/io.py, models/dsv4/hf_adapter.py) on a folder in the
-release's format (tests/models/dsv4/_release.py: several files, FP8 / FP4 with `.scale` names).
+"""The sharded streaming HF load (models/hf/load.py, models/hf/io.py, models/dsv4/hf_adapter.py) on a
+folder in the release's format (tests/models/dsv4/_release.py: several files, FP8 / FP4 with `.scale`
+names), against the whole-folder reference of tests/models/dsv4/_hf_helpers.py.
 
 - 1 process: the loader gives bitwise today's full load (every file read, dequantised whole, copied in);
   a pipeline stage (a model with layers deleted) gets its subset.

@@ -14,8 +14,8 @@ trained-token count like the main cross-entropy):
     "indexer": indexer_loss_coeff * sum over CSA layers and valid rows of the indexer KL
                (training mode only; it is the indexer's only gradient source).
 Module and parameter names follow the reference checkpoint (`embed`, `layers.<i>.attn.wq_a`,
-`hc_head`, `head`, `mtp.0`), so hf_interop renames little; the routed experts are stacked per layer
-(`layers.<i>.ffn.experts.w1` [E, F, d]), which hf_interop splits into the checkpoint's per-expert
+`hc_head`, `head`, `mtp.0`), so hf_names.py renames little; the routed experts are stacked per layer
+(`layers.<i>.ffn.experts.w1` [E, F, d]), which hf_names.py splits into the checkpoint's per-expert
 `layers.<i>.ffn.experts.<e>.w1.weight`.
 """
 

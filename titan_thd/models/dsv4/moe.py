@@ -13,7 +13,7 @@ The routed experts of a layer are three stacked parameters (`Experts`): w1, w3 [
 w2 [E, d, F], expert e's matrices at index e ([out, in] each, like `nn.Linear.weight`). They run as
 one grouped matrix product per projection on those tensors themselves (ops/grouped_linear.py: no
 per-step copy); Muon orthogonalises each expert's matrix with one batched Newton-Schulz per
-stacked tensor. The HF names stay per expert (`experts.<e>.w1.weight`, hf_interop.py maps them).
+stacked tensor. The HF names stay per expert (`experts.<e>.w1.weight`, hf_names.py maps them).
 With expert parallelism the stacks are DTensors sharded over `ep` on the expert dimension (rank r
 computes with its E / ep experts, `local()`), and the rows travel to their experts' ranks and back
 by all-to-all (parallel/expert_parallel.py).
@@ -29,6 +29,7 @@ from torch import nn
 from titan_thd.lora.layers import ExpertAdapters, Linear, expert_adapters, expert_delta, linear_local
 from titan_thd.models.dsv4.args import DSv4Args
 from titan_thd.ops.grouped_linear import grouped_linear
+from titan_thd.parallel.expert_parallel import dispatch_combine
 from titan_thd.parallel.recompute import decided_once, in_recompute
 from titan_thd.parallel.tensor_parallel import local
 
@@ -211,8 +212,6 @@ class MoE(nn.Module):
         if self.ep_group is None:
             routed = self.experts(x_sorted, decided_once(counts_E.tolist), self.limit)
         else:
-            from titan_thd.parallel.expert_parallel import dispatch_combine
-
             routed = dispatch_combine(
                 x_sorted, counts_E, self.ep_group, lambda x, c: self.experts(x, c, self.limit)
             )

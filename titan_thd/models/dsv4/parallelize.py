@@ -225,7 +225,7 @@ def apply_ep(model: DSv4Model, parallel_dims: ParallelDims) -> list[tuple[nn.Mod
 
 
 def routed_expert_params(model: nn.Module) -> list[str]:
-    """ModelSpec.expert_params: the parameters `apply_ep` splits over the ep ranks."""
+    """ModelSpec.parallel.expert_params: the parameters `apply_ep` splits over the ep ranks."""
     return [
         f"{name}.experts.{p}"
         for name, m in model.named_modules()
