@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 
 from titan_thd.components.loss import cross_entropy_sum
 from titan_thd.data.batch_meta import BatchMeta
+from titan_thd.lora.targets import init_rules as adapter_init_rules
 from titan_thd.models.dsv4.args import DSv4Args
 from titan_thd.models.dsv4.attention import Attention
 from titan_thd.models.dsv4.block import Block
@@ -38,7 +39,6 @@ from titan_thd.models.dsv4.mtp import MTPBlock, mtp_inputs_targets
 from titan_thd.models.dsv4.norm import RMSNorm
 from titan_thd.models.dsv4.plans import get_plan
 from titan_thd.models.spec import ModelOutput, build_initialised
-from titan_thd.lora.targets import init_rules as adapter_init_rules
 from titan_thd.parallel.seeded_init import InitRule, init_seeded
 
 

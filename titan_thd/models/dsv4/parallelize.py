@@ -201,8 +201,10 @@ def apply_tp(model: DSv4Model, parallel_dims: ParallelDims) -> None:
 
 EXPERT_FSDP_DIM = 1
 """The dimension FSDP shards the expert-parallel stacks on over `efsdp` (dim 0 is ep's)."""
-EXPERT_TP_FSDP_DIMS = {"w1": 2, "w3": 2, "w2": 1}
-"""Under TP x EP: the model-width dimension of each stack (the hidden one is tp's)."""
+EXPERT_TP_FSDP_DIMS = {"w1": 2, "w3": 2, "w2": 1, "lora_A_w13": 2, "lora_B_w1": 2, "lora_B_w3": 2}
+EXPERT_TP_FSDP_DIMS |= {"lora_A_w2": 1, "lora_B_w2": 1}
+"""Under TP x EP: a dimension of each stack that tp does not split (the model width of the experts;
+of their LoRA adapters, the one that is not the hidden width)."""
 
 
 def apply_ep(model: DSv4Model, parallel_dims: ParallelDims) -> list[tuple[nn.Module, object, int]]:
@@ -219,7 +221,7 @@ def apply_ep(model: DSv4Model, parallel_dims: ParallelDims) -> list[tuple[nn.Mod
         return [(m.experts, efsdp_mesh, EXPERT_FSDP_DIM) for m in moes]
     units = []
     for m in moes:
-        dims = {id(getattr(m.experts, n)): d for n, d in EXPERT_TP_FSDP_DIMS.items()}
+        dims = {id(p): EXPERT_TP_FSDP_DIMS[n] for n, p in m.experts.named_parameters(recurse=False)}
         units.append((m.experts, efsdp_mesh, lambda p, dims=dims: dims[id(p)]))
     return units
 

@@ -25,11 +25,11 @@ from torch import nn
 
 from titan_thd.data.batch_meta import BatchMeta
 from titan_thd.lora.layers import Linear
+from titan_thd.lora.targets import init_rules as adapter_init_rules
 from titan_thd.models.llama.args import LlamaArgs
 from titan_thd.models.spec import ModelOutput, build_initialised
 from titan_thd.ops.rope import apply_rope, rope_cos_sin, rope_tables
 from titan_thd.ops.varlen_attention import VarlenAttention
-from titan_thd.lora.targets import init_rules as adapter_init_rules
 from titan_thd.parallel.seeded_init import InitRule, init_seeded
 
 
