@@ -228,7 +228,7 @@ def test_convert_hf_dcp_round_trip(hf_dir, ours, tmp_path):
     assert convert.main(["to-hf", str(tmp_path / "dcp"), str(tmp_path / "x"), "--flavor", "micro"]) == 1
 
 
-def test_init_from_hf_hook_loads_into_a_built_model(hf_dir, ours):
+def test_the_hf_load_fills_a_built_model(hf_dir, ours):
     from titan_thd.models.dsv4 import build_dsv4, spec
 
     model, args = ours
