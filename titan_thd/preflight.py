@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import os
 from pathlib import Path
+from typing import Any
 
 from titan_thd.components import run_settings
 from titan_thd.components.checkpoint import CheckpointManager
@@ -49,11 +50,11 @@ def _check_folder(key: str, value: str, folder: Path, writable: bool = False) ->
         return
 
 
-def check_outputs(cfg: Config) -> None:
+def check_outputs(cfg: Config, settings: dict[str, Any]) -> None:
     """ValueError when a new run would replace another run's metrics in job.dump_folder
     (components/run_settings.py check_run_folder)."""
     checkpoints = checkpoint_steps(Path(cfg.job.dump_folder) / cfg.checkpoint.folder)
-    run_settings.check_run_folder(cfg, checkpoints)
+    run_settings.check_run_folder(cfg, settings, checkpoints)
 
 
 def preflight(run: Run) -> None:
@@ -74,14 +75,14 @@ def preflight(run: Run) -> None:
             )
     build_dataloader(dataclasses.replace(cfg.data, num_workers=0), store, layout, run.tokenizer)
     if cfg.checkpoint.enable:  # the fingerprint has global shapes: a model on the meta device has them
-        model = build_on_meta(lambda: run.spec.build(run.model_args))
+        model = build_on_meta(run.build_model)
         CheckpointManager(
             cfg.checkpoint,
             cfg.job.dump_folder,
             model=model,  # the model entries alone: no optimizer, data or schedule state
             fingerprint=model_fingerprint([model], model=cfg.model.name, flavor=run.flavor),
-            settings=run_settings.run_settings(cfg),
+            settings=run.settings,
             layout=run_settings.run_layout(run.dims, cfg.training.steps),
         ).check_resumable()
-    check_outputs(cfg)
+    check_outputs(cfg, run.settings)
     logger.info("preflight: inputs of a %d-process run are fine", run.dims.world_size)

@@ -12,10 +12,12 @@ by start-up's checks, so the record they read cannot live beside those checks (t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
 
 from titan_thd.components.precision import Precision
 from titan_thd.config import Config
@@ -23,6 +25,7 @@ from titan_thd.data.dataloader import DataLayout
 from titan_thd.data.plan import attention_cost_weight
 from titan_thd.data.rows import RowRule
 from titan_thd.data.tokenizer import Tokenizer
+from titan_thd.lora.targets import LoRAPlan, attach, init_adapters
 from titan_thd.models.compile import CompileDecision
 from titan_thd.models.spec import ModelSpec
 from titan_thd.parallel.context_parallel import CPMode
@@ -68,6 +71,28 @@ class Run:
     """Master, compute and reduction dtypes on this machine (training.mixed_precision_param = auto resolved)."""
     compile: CompileDecision
     """training.compile on this machine for this run (`auto` resolved)."""
+    lora: LoRAPlan | None
+    """The `[lora]` adapters resolved against the model (lora/targets.py); None = full fine-tuning."""
+    settings: dict[str, Any]
+    """What the run trains, stored in checkpoints and run.json (components/run_settings.py), with the
+    frozen base's fingerprint under `lora.base` in a LoRA run: a resume against another base is refused."""
+
+    @property
+    def after_optimizer_step(self) -> Callable[[nn.Module, Any], None] | None:
+        """The family's hook after every optimizer step (dsv4: the router's balancing bias); none in a
+        LoRA run, whose base stays exactly what the adapters are served on."""
+        return self.spec.after_optimizer_step if self.lora is None else None
+
+    def build_model(self) -> nn.Module:
+        """The model as `spec.build` makes it on the current default device (the meta device: shapes
+        only), with the LoRA adapters attached and the base frozen; off the meta device the adapters
+        are drawn from training.seed, as the trainer draws them."""
+        model = self.spec.build(self.model_args)
+        if self.lora is not None:
+            attach(model, self.lora)
+            if next(model.parameters()).device.type != "meta":
+                init_adapters(model, self.cfg.training.seed)
+        return model
 
     @property
     def tokens_per_rank(self) -> int:

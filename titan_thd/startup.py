@@ -30,14 +30,16 @@ from typing import Any
 
 import torch
 
-from titan_thd.components import hardware
+from titan_thd.components import hardware, run_settings
 from titan_thd.components.precision import resolve_precision
 from titan_thd.config import Config, validate
 from titan_thd.data.rows import row_rule
 from titan_thd.data.stores import check_validation_path
 from titan_thd.data.tokenizer import Tokenizer, build_tokenizer
+from titan_thd.lora.targets import LoRAPlan, resolve_lora
 from titan_thd.models import get_model_args, get_model_spec, hf
 from titan_thd.models.compile import has_cpp_compiler, resolve_compile
+from titan_thd.models.hf import io as hf_io
 from titan_thd.models.spec import ModelSpec
 from titan_thd.parallel.activation_checkpoint import validate_activation_checkpoint
 from titan_thd.parallel.context_parallel import (
@@ -121,6 +123,9 @@ def resolve_run(cfg: Config, world_size: int | None = None) -> Run:
         t.dtype, t.mixed_precision_param, t.mixed_precision_reduce, hardware.detect(device)
     )
     payback = spec.compile.payback_steps if spec.compile is not None else 0
+    lora, settings = _resolve_lora(cfg, spec, model_args, label), run_settings.run_settings(cfg)
+    if lora is not None:  # the base the adapters are trained on: a resume needs the same one
+        settings["lora.base"] = hf_io.folder_fingerprint(cfg.model.hf_path) if cfg.model.hf_path else None
     return Run(
         cfg=cfg,
         spec=spec,
@@ -139,7 +144,19 @@ def resolve_run(cfg: Config, world_size: int | None = None) -> Run:
         device=device,
         precision=precision,
         compile=resolve_compile(t.compile, cfg.model.name, payback, t.steps, device.type),
+        lora=lora,
+        settings=settings,
     )
+
+
+def _resolve_lora(cfg: Config, spec: ModelSpec, model_args: Any, label: str) -> LoRAPlan | None:
+    """lora.* against the family's targets and the model's shapes (a meta build: no weights)."""
+    c = cfg.lora
+    if not c.enable:
+        return None
+    with torch.device("meta"):
+        model = spec.build(model_args)
+    return resolve_lora(c.targets, c.rank, c.alpha, c.rslora, spec.lora, model, label)
 
 
 def _resolve_model(cfg: Config) -> tuple[ModelSpec, str, str, Tokenizer, Any]:

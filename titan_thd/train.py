@@ -39,7 +39,7 @@ from titan_thd.components.metrics import (
 )
 from titan_thd.components.optimizer import OptimizersContainer, build_optimizers, clip_grad_norm_
 from titan_thd.components.run_header import header_lines
-from titan_thd.components.run_settings import run_layout, run_settings
+from titan_thd.components.run_settings import run_layout
 from titan_thd.components.signals import StopSignal
 from titan_thd.components.validation import Validator
 from titan_thd.config import help_text, load_config, to_toml
@@ -49,6 +49,7 @@ from titan_thd.data.dataloader import OrderedSteps, StepBatch, THDDataLoader, bu
 from titan_thd.data.packed_batch import PackedBatch
 from titan_thd.data.stores import build_stores
 from titan_thd.inference.evaluation import TrainingEvaluator
+from titan_thd.lora.targets import trained_keys
 from titan_thd.memory.dry_run import fake_step_fits
 from titan_thd.memory.live import available_host_bytes, log_peak_rss
 from titan_thd.memory.plan import MemoryPlan, plan_memory, refuse_beyond_host
@@ -110,7 +111,7 @@ class Trainer:
         # Start-up (startup.resolve_run) checked everything a user can get wrong and made every decision
         # before any process group exists: the trainer reads them from `run`, never from the config.
         self.run, cfg, dims = run, run.cfg, run.dims
-        check_outputs(cfg)  # a new run does not replace another run's metrics
+        check_outputs(cfg, run.settings)  # a new run does not replace another run's metrics
         self.evaluator = None  # answer accuracy on held-out chat problems (inference/evaluation.py)
         if cfg.evaluation.enable:
             t = cfg.training
@@ -143,7 +144,7 @@ class Trainer:
         # Built on the meta device (in the master dtype: FSDP casts what it gathers), cut and sharded
         # there; each rank then allocates only its shards, filled from the seed or the checkpoint.
         torch.manual_seed(cfg.training.seed)
-        model = build_on_meta(lambda: run.spec.build(run.model_args)).to(run.precision.master)
+        model = build_on_meta(run.build_model).to(run.precision.master)  # + LoRA adapters (lora/)
         if cfg.model.hf_path and run.fake:
             logger.warning("model.hf_path: not loaded in a fake-process-group dry run (meta weights)")
         fingerprint = model_fingerprint([model], model=cfg.model.name, flavor=run.flavor)
@@ -164,8 +165,9 @@ class Trainer:
             lr_schedulers=self.lr_schedulers,
             states={"train_state": self, "dataloader": self.dataloader},
             fingerprint=fingerprint,
-            settings=run_settings(cfg),  # a resume with other settings is refused (run_settings.py)
+            settings=run.settings,  # a resume with other settings is refused (run_settings.py)
             layout=run_layout(dims, cfg.training.steps),
+            model_keys=None if run.lora is None else trained_keys(self.model),  # not a frozen base
         )
         self.stop = StopSignal(announce=self.dist.is_main)  # SIGTERM, Ctrl-C: installed by train()
         self.stopped = False  # whether a stop signal (to any rank) ended train() early
@@ -176,9 +178,7 @@ class Trainer:
             peak_tflops_per_rank(cfg.metrics, run.precision.compute, dev, local) if is_main else 0.0
         )
         dist_utils.barrier()
-        self.metrics = MetricsLogger(
-            cfg.metrics, cfg.job.dump_folder, enabled=is_main, settings=run_settings(cfg)
-        )
+        self.metrics = MetricsLogger(cfg.metrics, cfg.job.dump_folder, enabled=is_main, settings=run.settings)
         self._recent_step_times = collections.deque(maxlen=10)
         self.compile_clock = CompileClock()  # the compile seconds of the steps that compiled
         self.timer = StepTimer(self.dist.device)
@@ -236,7 +236,7 @@ class Trainer:
         with self.timer.phase("optimizer"):
             self.optimizers.step()
             self.lr_schedulers.step()
-            after_step = self.run.spec.after_optimizer_step
+            after_step = self.run.after_optimizer_step
             if after_step is not None:
                 after_step(self.model, None if loss_mesh is None else loss_mesh.get_group())
         return result | {"lr": lr}
@@ -277,9 +277,7 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         if self.evaluator is None or not self.evaluator.due(self.step):
             return {}
-        return self.evaluator.run(
-            self.model, lambda: self.run.spec.build(self.run.model_args), self.dist.device
-        )
+        return self.evaluator.run(self.model, self.run.build_model, self.dist.device)
 
     def train(self) -> None:
         run = self.run
@@ -390,6 +388,7 @@ class Trainer:
             stage_lines=self.memory.stage_lines(),
             ac_regions=run.spec.ac_regions,
             peak_tflops=self.peak_tflops,
+            lora_line="" if run.lora is None else run.lora.describe(self.model),
         ):
             (logger.warning if line.startswith("warning: ") else logger.info)(
                 "%s", line.removeprefix("warning: ")

@@ -47,7 +47,7 @@ import os
 import shutil
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -145,7 +145,9 @@ class CheckpointManager:
         states: dict[str, Stateful] | None = None,
         settings: dict[str, Any] | None = None,
         layout: dict[str, Any] | None = None,
+        model_keys: Collection[str] | None = None,
     ) -> None:
+        """`model_keys`: the model entries saved and loaded (None: all; a LoRA run: its adapters)."""
         states = states or {}
         clash = sorted(set(states) & set(RESERVED_KEYS))
         assert not clash, f"states keys {clash} collide with the checkpoint's own keys {RESERVED_KEYS}"
@@ -157,7 +159,7 @@ class CheckpointManager:
         )
         self.states = dict(states)
         self.fingerprint = json.loads(json.dumps(fingerprint))  # tuples -> lists, as stored
-        self.settings, self.layout = settings, layout
+        self.settings, self.layout, self.model_keys = settings, layout, model_keys
         self.enabled = cfg.enable and not distributed.is_fake()
         if cfg.enable and not self.enabled:
             logger.warning("checkpoint: disabled in a fake-process-group dry run (DCP needs real processes)")
@@ -178,8 +180,10 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ state
     def _state_dict(self) -> dict[str, Any]:
+        model = get_model_state_dict(self.model)
+        keys = model.keys() if self.model_keys is None else self.model_keys
         sd: dict[str, Any] = {
-            "model": get_model_state_dict(self.model),
+            "model": {k: v for k, v in model.items() if k in keys},
             "optimizer": {} if self.optimizer is None else self.optimizer.state_dict(),
         }
         # Small replicated Python state is stored whole: DCP treats a tuple as one leaf and on load

@@ -47,14 +47,16 @@ def header_lines(
     stage_lines: Sequence[str],
     ac_regions: Mapping[str, str],
     peak_tflops: float,
+    lora_line: str = "",
 ) -> list[str]:
-    """The header's lines, in order (warnings are marked `warning:`)."""
+    """The header's lines, in order (warnings are marked `warning:`); `lora_line`: the adapters, if any."""
     c, d, ac = cfg, dims, cfg.activation_checkpoint
     lines = [
         c.job.description or "titan_thd",
         f"model {c.model.name}/{flavor}: {num_params:,} parameters, vocab {model_args.vocab_size} "
         f"(tokenizer {tokenizer.vocab_size}), dtype {c.training.dtype}",
         *([note] if (note := getattr(tokenizer, "added_tokens_note", str)()) else []),
+        *([lora_line] if lora_line else []),
         precision.describe(c.training.mixed_precision_param),
         state_line,
         describe(ac.mode, ac.regions, ac.layers, ac_regions),

@@ -4,7 +4,7 @@ computed (docs/design.md §3.11).
     settings = run_settings(cfg)                # {"optimizer.lr": 3e-4, ...}: stored in every checkpoint's
                                                 # meta.json and in <dump_folder>/run.json
     check_resume(saved, settings, cfg.checkpoint.allow_changes, where)   # at load and in preflight
-    check_run_folder(cfg, checkpoints)          # before a new run writes into job.dump_folder
+    check_run_folder(cfg, settings, checkpoints)   # before a new run writes into job.dump_folder
 
 A resume whose run settings differ from its checkpoint's is refused with the changes (old -> new) and
 the two ways on: the checkpoint's values, or `--checkpoint.allow_changes KEY,...`, which continues with
@@ -173,7 +173,7 @@ def _recorded_steps(path: Path) -> int:
         return sum(1 for line in f if line.strip())
 
 
-def check_run_folder(cfg: Config, checkpoints: list[int]) -> None:
+def check_run_folder(cfg: Config, settings: dict[str, Any], checkpoints: list[int]) -> None:
     """ValueError when a new run would replace the metrics of another run in job.dump_folder
     (`checkpoints`: the complete checkpoint steps in its checkpoint folder; with checkpoint.enable the
     run resumes the newest, which appends); a rerun of the same settings, or metrics.overwrite, replaces them."""
@@ -187,7 +187,7 @@ def check_run_folder(cfg: Config, checkpoints: list[int]) -> None:
         logger.info("metrics: replacing %s (%d records; metrics.overwrite = true)", metrics, steps)
         return
     saved = read_run_file(folder)
-    diff = None if saved is None else changes(saved, run_settings(cfg))
+    diff = None if saved is None else changes(saved, settings)
     if diff == {}:
         logger.info(
             "metrics: replacing %s (%d records) of an earlier run of the same settings", metrics, steps

@@ -38,6 +38,12 @@ RUN_KEYS: tuple[str, ...] = (
     "data.shuffle",
     "data.overlong",
     "validation.fraction",
+    # what is trained (lora.base: the frozen base's fingerprint, added by start-up)
+    "lora.enable",
+    "lora.rank",
+    "lora.alpha",
+    "lora.rslora",
+    "lora.targets",
 )
 """Config keys that define the run (plus `model.args.<name>`, except `HOW_MODEL_ARGS`)."""
 FIXED = ("training.seed", "training.global_batch_size")

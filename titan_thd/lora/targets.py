@@ -67,6 +67,16 @@ class LoRAPlan:
     def scaling(self) -> float:
         return scaling(self.alpha, self.rank, self.rslora)
 
+    def describe(self, model: nn.Module) -> str:
+        """The header's line: the adapters and what trains of this rank's shards."""
+        trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        total = sum(p.numel() for p in model.parameters())
+        s = f"alpha / sqrt(r) = {self.scaling:g}" if self.rslora else f"alpha / r = {self.scaling:g}"
+        return (
+            f"lora: rank {self.rank}, {s}, targets {', '.join(self.targets)}; {trained:,} adapter parameters "
+            f"train ({100 * trained / max(1, total):.2f}% of {total:,} here), the base is frozen"
+        )
+
 
 # The adapter parameters of each base parameter: (A's name, B's name).
 _LINEAR = {"weight": ("lora_A", "lora_B")}
@@ -199,3 +209,8 @@ def init_adapters(model: nn.Module, seed: int) -> None:
     params = dict(model.named_parameters())
     for fqn, rule in init_rules(model).items():
         init_tensor(params[fqn], seed, fqn, rule)
+
+
+def trained_keys(model: nn.Module) -> set[str]:
+    """State-dict keys of the parameters that train (a LoRA run's adapters): what its checkpoint holds."""
+    return {canonical_name(name) for name, p in model.named_parameters() if p.requires_grad}

@@ -198,7 +198,7 @@ def plan_memory(run: Run) -> MemoryPlan:
     tokens, ac = run.tokens_per_rank, run.cfg.activation_checkpoint
     acts = activations.activation_memory(spec, model_args, tokens, precision.compute, ac, narrow_ok=run.fake)
     with torch.device("meta"):
-        full = spec.build(model_args)
+        full = run.build_model()  # with its LoRA adapters: the frozen base has no grads, no state
     layers = stages if stages is not None else [[int(k) for k in full.layers]]
     pp = len(layers) if stages is None else dims.pp
     boundary = None

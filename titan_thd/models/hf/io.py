@@ -21,6 +21,7 @@ naming the file and the tensor).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -54,6 +55,7 @@ DTYPES = {
     "F8_E8M0": torch.float8_e8m0fnu,
 }
 """safetensors header dtype -> torch dtype (the ones a checkpoint of ours or DeepSeek's holds)."""
+
 
 @dataclass(frozen=True)
 class Stored:
@@ -267,3 +269,28 @@ def load_sources(model: nn.Module, sources: dict[str, Source], folder: Safetenso
         n += 1
     folder.close()
     return LoadStats(n, folder.bytes_read - start, folder.total_bytes)
+
+
+FINGERPRINT_SAMPLE = 4096
+"""Bytes of tensor data `folder_fingerprint` reads at the start, the middle and the end of each file."""
+
+
+def folder_fingerprint(path: str | Path) -> str:
+    """A short hash of what identifies a Hugging Face folder's weights without reading them: config.json,
+    the index, every safetensors file's size and header, and three samples of its tensor bytes (so two
+    checkpoints of one architecture, whose headers agree, differ too). A LoRA run records its base's."""
+    folder = Path(path)
+    h = hashlib.blake2b(digest_size=12)
+    for name in ("config.json", INDEX_FILE):
+        if (folder / name).is_file():
+            h.update(name.encode() + (folder / name).read_bytes())
+    for f in sorted(folder.glob("*.safetensors")):
+        size = f.stat().st_size
+        with f.open("rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            h.update(f"{f.name}/{size}/".encode() + fh.read(n))
+            data = size - 8 - n
+            for at in (0, data // 2, max(0, data - FINGERPRINT_SAMPLE)):
+                fh.seek(8 + n + at)
+                h.update(fh.read(FINGERPRINT_SAMPLE))
+    return h.hexdigest()
