@@ -1,6 +1,6 @@
 """Memory: what each rank holds, decided once at start-up, and the measurements behind it.
 
-- plan.py: `plan_memory(...) -> MemoryPlan`, the one entry: every pipeline rank's sharded state,
+- plan.py: `plan_memory(run) -> MemoryPlan`, the one entry: every pipeline rank's sharded state,
   stage copy, activations in flight, backward transient, start-up peak and largest FSDP unit; the
   log header, the dry run and the host-memory refusal read it.
 - state.py: parameter, gradient and optimizer-state bytes of a rank's share (`estimate_memory_per_rank`),
