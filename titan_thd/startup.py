@@ -125,7 +125,8 @@ def resolve_run(cfg: Config, world_size: int | None = None) -> Run:
     payback = spec.compile.payback_steps if spec.compile is not None else 0
     lora, settings = _resolve_lora(cfg, spec, model_args, label), run_settings.run_settings(cfg)
     if lora is not None:  # the base the adapters are trained on: a resume needs the same one
-        settings["lora.base"] = hf_io.folder_fingerprint(cfg.model.hf_path) if cfg.model.hf_path else None
+        fingerprint = hf_io.folder_fingerprint(cfg.model.hf_path) if cfg.model.hf_path else None
+        settings[run_settings.BASE] = run_settings.base_setting(cfg.model.hf_path, fingerprint)
     return Run(
         cfg=cfg,
         spec=spec,

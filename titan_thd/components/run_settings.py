@@ -36,6 +36,10 @@ logger = logging.getLogger("titan_thd")
 
 RUN_FILE = "run.json"
 """`<job.dump_folder>/run.json`: the run settings of the run whose metrics.jsonl is there."""
+BASE = "lora.base"
+"""A LoRA run's frozen base, added by start-up (`base_setting`): {"folder": model.hf_path resolved,
+"fingerprint": models/hf/io.py folder_fingerprint}, or None for a seeded base. Compared by fingerprint
+alone: the same weights read from another folder (a copy, another mount) are the same base."""
 
 
 def run_settings(cfg: Config) -> dict[str, Any]:
@@ -59,6 +63,17 @@ def run_settings(cfg: Config) -> dict[str, Any]:
     return json.loads(json.dumps(out))  # tuples -> lists, as read back
 
 
+def base_setting(hf_path: str, fingerprint: str | None) -> dict[str, str] | None:
+    """The `lora.base` setting of a LoRA run on `hf_path` (None: no model.hf_path, a seeded base)."""
+    return {"folder": str(Path(hf_path).resolve()), "fingerprint": fingerprint} if hf_path else None
+
+
+def _same(key: str, a: Any, b: Any) -> bool:
+    if key == BASE and isinstance(a, dict) and isinstance(b, dict):
+        return a.get("fingerprint") == b.get("fingerprint")
+    return a == b
+
+
 def run_layout(dims: ParallelDims, training_steps: int) -> dict[str, int]:
     """How the run is computed (stored beside the settings; a change is logged, never refused)."""
     return {
@@ -73,23 +88,35 @@ def run_layout(dims: ParallelDims, training_steps: int) -> dict[str, int]:
 
 
 def changes(saved: dict[str, Any], current: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
-    """{key: (saved, current)} of the keys whose values differ (a key missing on one side is None)."""
+    """{key: (saved, current)} of the keys whose values differ (a key missing on one side is None;
+    `lora.base` only between two LoRA runs: lora.enable tells a LoRA run from a full one)."""
     return {
         k: (saved.get(k), current.get(k))
         for k in sorted(set(saved) | set(current))
-        if saved.get(k) != current.get(k)
+        if not _same(k, saved.get(k), current.get(k)) and (k != BASE or (k in saved and k in current))
     }
 
 
-def _value(v: Any) -> str:
+def _value(v: Any, key: str = "") -> str:
+    if key == BASE:
+        if isinstance(v, dict):
+            return f"{v.get('folder')} (fingerprint {v.get('fingerprint')})"
+        return "none (no model.hf_path: the seeded model)" if v is None else json.dumps(v)
     return "unset" if v is None else json.dumps(v) if isinstance(v, (dict, list, str)) else str(v)
+
+
+def _flag(key: str, saved: Any) -> str:
+    """The flag that gives `key` the checkpoint's value (empty: none does)."""
+    if key == BASE:
+        return f"--model.hf_path {saved.get('folder')}" if isinstance(saved, dict) else "--model.hf_path ''"
+    return "" if saved is None else f"--{key} {_value(saved)}"
 
 
 def describe(diff: dict[str, tuple[Any, Any]]) -> str:
     """`optimizer.lr 0.0003 -> 0.001, ...` (the schedule length says what it is)."""
     length = " (the LR schedule's length; 0 = training.steps)"
     return ", ".join(
-        f"{k}{length if k == 'lr_scheduler.total_steps' else ''} {_value(a)} -> {_value(b)}"
+        f"{k}{length if k == 'lr_scheduler.total_steps' else ''} {_value(a, k)} -> {_value(b, k)}"
         for k, (a, b) in diff.items()
     )
 
@@ -112,7 +139,7 @@ def check_resume(
     diff = changes(saved, current)
     fixed = {k: v for k, v in diff.items() if k in FIXED}
     if fixed:
-        back = " ".join(f"--{k} {_value(a)}" for k, (a, _) in fixed.items())
+        back = " ".join(_flag(k, a) for k, (a, _) in fixed.items())
         raise ValueError(
             f"checkpoint {where} was saved by a run with {describe(fixed)}: these place the checkpoint's data "
             f"position and cannot change on a resume; run with {back}, or start a new run in another "
@@ -120,11 +147,11 @@ def check_resume(
         )
     refused = {k: v for k, v in diff.items() if k not in allowed}
     if refused:
-        back = " ".join(f"--{k} {_value(a)}" for k, (a, _) in refused.items() if a is not None)
+        back = " ".join(f for f in (_flag(k, a) for k, (a, _) in refused.items()) if f)
         raise ValueError(
             f"checkpoint {where} was saved by a run with other settings: {describe(refused)}. Resuming would "
             f"change the run: pass --checkpoint.allow_changes {','.join(refused)} to continue with the new "
-            f"values, or run with the checkpoint's ({back})"
+            f"values" + (f", or run with the checkpoint's ({back})" if back else "")
         )
     if diff:
         logger.warning(
@@ -133,6 +160,9 @@ def check_resume(
             describe(diff),
         )
     how = changes(saved_layout or {}, current_layout or {}) if saved_layout and current_layout else {}
+    a, b = saved.get(BASE), current.get(BASE)
+    if isinstance(a, dict) and isinstance(b, dict) and a.get("folder") != b.get("folder"):
+        how[f"{BASE} folder"] = (a.get("folder"), b.get("folder"))  # the same fingerprint: a copy
     if how:
         logger.info(
             "checkpoint: resuming %s with another layout or length (how the run is computed, not what it "

@@ -8,7 +8,7 @@ in titan_thd/startup.py (`resolve_run`), which also runs before any process grou
 
 from __future__ import annotations
 
-from titan_thd.config.resume_keys import FIXED, RUN_KEYS
+from titan_thd.config.resume_keys import ADDED, FIXED, RUN_KEYS
 from titan_thd.config.schema import CHOICES
 from titan_thd.config.sections import Config
 
@@ -120,8 +120,8 @@ def _validate_allow_changes(names: tuple[str, ...]) -> None:
                 f"checkpoint.allow_changes: {name} cannot change on a resume (it places the checkpoint's data "
                 "position); start a new run in another job.dump_folder instead"
             )
-        if name not in RUN_KEYS and not name.startswith("model.args."):
-            allowed = [k for k in RUN_KEYS if k not in FIXED]
+        if name not in RUN_KEYS + ADDED and not name.startswith("model.args."):
+            allowed = [k for k in RUN_KEYS + ADDED if k not in FIXED]
             raise ValueError(
                 f"checkpoint.allow_changes: got {name!r}, expected run settings among {', '.join(allowed)}, "
                 "model.args.<name>"

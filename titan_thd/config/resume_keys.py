@@ -46,6 +46,9 @@ RUN_KEYS: tuple[str, ...] = (
     "lora.targets",
 )
 """Config keys that define the run (plus `model.args.<name>`, except `HOW_MODEL_ARGS`)."""
+ADDED = ("lora.base",)
+"""Run settings that start-up adds, not config keys: lora.base, a LoRA run's frozen base (its folder and
+fingerprint; components/run_settings.py BASE). checkpoint.allow_changes may name them."""
 FIXED = ("training.seed", "training.global_batch_size")
 """Run settings a resume cannot change: they place the checkpoint's data position."""
 HOW_MODEL_ARGS = ("attention_backend", "attn_chunk")

@@ -25,6 +25,7 @@ import hashlib
 import json
 import logging
 import math
+import os
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -273,12 +274,17 @@ def load_sources(model: nn.Module, sources: dict[str, Source], folder: Safetenso
 
 FINGERPRINT_SAMPLE = 4096
 """Bytes of tensor data `folder_fingerprint` reads at the start, the middle and the end of each file."""
+TENSOR_SAMPLE = 16
+"""Bytes it reads at the start, the middle and the end of each tensor."""
 
 
 def folder_fingerprint(path: str | Path) -> str:
     """A short hash of what identifies a Hugging Face folder's weights without reading them: config.json,
-    the index, every safetensors file's size and header, and three samples of its tensor bytes (so two
-    checkpoints of one architecture, whose headers agree, differ too). A LoRA run records its base's."""
+    the index, every safetensors file's size and header, three samples of each file's tensor bytes and
+    three of each tensor's (its first, middle and last 16 bytes: so two checkpoints of one architecture,
+    whose headers agree, differ, and so does a folder with one tensor replaced; a change confined to
+    bytes not sampled goes unseen). A LoRA run records its base's. 70k tensors (Flash's count) in 7 files:
+    1.4 s from the page cache on a 2-core CPU box, 0.85 s of it parsing the headers."""
     folder = Path(path)
     h = hashlib.blake2b(digest_size=12)
     for name in ("config.json", INDEX_FILE):
@@ -286,11 +292,35 @@ def folder_fingerprint(path: str | Path) -> str:
             h.update(name.encode() + (folder / name).read_bytes())
     for f in sorted(folder.glob("*.safetensors")):
         size = f.stat().st_size
-        with f.open("rb") as fh:
+        with f.open("rb", buffering=0) as fh:
             (n,) = struct.unpack("<Q", fh.read(8))
-            h.update(f"{f.name}/{size}/".encode() + fh.read(n))
+            header = fh.read(n)
+            h.update(f"{f.name}/{size}/".encode() + header)
             data = size - 8 - n
-            for at in (0, data // 2, max(0, data - FINGERPRINT_SAMPLE)):
-                fh.seek(8 + n + at)
-                h.update(fh.read(FINGERPRINT_SAMPLE))
+            spans = [(at, FINGERPRINT_SAMPLE) for at in (0, data // 2, max(0, data - FINGERPRINT_SAMPLE))]
+            fd = fh.fileno()
+            for at, length in sorted(spans + _tensor_samples(header)):  # in file order
+                h.update(os.pread(fd, length, 8 + n + at))
     return h.hexdigest()
+
+
+def _tensor_samples(header: bytes) -> list[tuple[int, int]]:
+    """(offset in the data, length) of the first, middle and last TENSOR_SAMPLE bytes of each tensor a
+    safetensors header names (none when it does not parse: the load reports that)."""
+    try:
+        entries = json.loads(header)
+        ranges = [
+            (int(b), int(e))
+            for k, v in entries.items()
+            if k != "__metadata__"
+            for b, e in [v["data_offsets"]]
+        ]
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return []
+    spans = []
+    for begin, end in ranges:
+        length = min(TENSOR_SAMPLE, max(0, end - begin))
+        if length:
+            mid = max(begin, (begin + end - length) // 2)
+            spans += [(begin, length), (mid, length), (end - length, length)]
+    return spans
