@@ -293,8 +293,9 @@ class Checkpoint:
     titan_thd/components/run_settings.py RUN_KEYS, model.args entries, and a LoRA run's lora.base: the
     frozen base's folder fingerprint) differ from the checkpoint's is refused with the changes (old ->
     new) unless every changed key is listed here; the run then continues with the new values and logs
-    them. training.seed and training.global_batch_size place the data position and cannot change. Layout (parallel degrees, world size) and training.steps are not run
-    settings: DCP reshards, and a change is logged. Empty: no changes (docs/design.md §3.11)."""
+    them. training.seed and training.global_batch_size place the data position and cannot change. Layout
+    (parallel degrees, world size) and training.steps are not run settings: DCP reshards, and a change is
+    logged. Empty: no changes (docs/design.md §3.11)."""
 
 
 @dataclass
