@@ -121,7 +121,12 @@ def apply_tp(model: Llama, parallel_dims: ParallelDims) -> None:
     tp_mesh = parallel_dims.get_optional_mesh("tp")
     if tp_mesh is None:
         return
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}  # a LoRA run's base
     parallelize_module(model, tp_mesh, present(model, tp_plan(model)))
+    # torch's SequenceParallel re-registers the norms' weights as new, trainable parameters.
+    for name, p in model.named_parameters():
+        if name in frozen:
+            p.requires_grad_(False)
 
 
 def apply_fsdp(model: Llama, parallel_dims: ParallelDims, precision: Precision | None = None) -> None:
