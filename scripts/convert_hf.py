@@ -5,6 +5,10 @@
     # AutoModelForCausalLM / AutoTokenizer (dsv4: DeepseekV4ForCausalLM, llama: LlamaForCausalLM)
     .venv/bin/python scripts/convert_hf.py to-hf RUN_OR_CHECKPOINT OUT_DIR --config dsv4_flash_thd.toml [--dtype bfloat16]
 
+    # a LoRA run's checkpoint -> adapter_config.json + adapter_model.safetensors for peft / vLLM on the
+    # base folder (model.hf_path); `to-hf` on a LoRA run writes the merged model, W + s * B @ A
+    .venv/bin/python scripts/convert_hf.py to-peft outputs/dsv4_flash_lora OUT_DIR --config dsv4_flash_lora.toml [--dtype bfloat16]
+
     # HF (config.json + *.safetensors) -> DCP folder holding the trainer's "model" entries (dsv4)
     .venv/bin/python scripts/convert_hf.py to-dcp HF_DIR OUT_DIR [--flavor tiny]
 
@@ -24,6 +28,15 @@ template) and generation_config.json, so `generate` stops at the end of an assis
 5GB, as transformers), `model.safetensors` alone or `model-0000K-of-0000N.safetensors` with
 `model.safetensors.index.json`; peak memory is about 1.25 files plus the largest tensor plus the
 process (docs/dsv4.md §17.3).
+
+A LoRA run's checkpoint holds its adapters only (titan_thd/inference/lora_export.py, docs/lora.md §4):
+both exports check that it was trained with the config's lora.* and on the config's base (the
+fingerprint of model.hf_path, or the seed), read only the adapter entries, and never gather the base. `to-peft`
+writes a block of adapters at a time (--dtype float32 by default). `to-hf` reads the base a group of
+tensors at a time (model.hf_path's, FP8 / FP4 dequantised on read, or drawn from training.seed),
+folds each adapter in as W + s * B @ A in float32 (expert stacks one expert at a time) and writes
+float32 or bfloat16: never FP8 / FP4 codes, where the update would round away (refused in one line).
+Its peak is the same as above plus one group's adapters.
 
     # a trainer checkpoint written before the routed experts were stacked (one tensor per expert)
     # -> the same checkpoint with [E, out, in] stacks (model and optimizer state; resumable)
@@ -65,6 +78,14 @@ from titan_thd.components.checkpoint_folder import (
     write_meta,
 )
 from titan_thd.inference.loading import config_argv, inference_config, one_line
+from titan_thd.inference.lora_export import (
+    MergedSource,
+    check_adapters,
+    check_exportable,
+    check_merge_dtype,
+    lora_checkpoint,
+    write_peft_streamed,
+)
 from titan_thd.models import MODEL_NAMES, get_model_spec, hf
 from titan_thd.models.hf.write import DEFAULT_MAX_SHARD_SIZE, DcpSource, parse_size
 from titan_thd.parallel.fsdp import build_on_meta
@@ -105,21 +126,52 @@ def to_dcp(hf_dir: Path, out: Path, flavor: str | None) -> None:
     print(f"wrote {out}: {len(model.state_dict())} model tensors, args {spec.hf.architecture(args)}")
 
 
-def run_to_hf(
-    src: Path, out: Path, config: str, overrides: list[str], dtype: str | None, max_shard_size: int
-) -> None:
-    """A trainer checkpoint with its run's config -> HF folder with the tokenizer files, streamed from
-    the checkpoint's model entries a group at a time (the model is never built)."""
+def _progress(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _run(config: str, overrides: list[str]):
+    """The run of a config (+ overrides) for one process; ValueError without a Hugging Face format."""
     cfg = inference_config(config_argv(config) + overrides)
     run = resolve_run(cfg, 1)
     if run.spec.hf is None:
         raise ValueError(f"model {cfg.model.name} has no Hugging Face export (its ModelSpec.hf is None)")
-    step_dir = resolve_step_dir(src, cfg.checkpoint.folder)
-    meta = build_on_meta(lambda: run.spec.build(run.model_args))
-    read_model(meta, step_dir, model_fingerprint([meta], model=cfg.model.name, flavor=run.flavor), load=False)
+    return run
+
+
+def to_peft(src: Path, out: Path, config: str, overrides: list[str], dtype: str) -> None:
+    """A LoRA run's checkpoint -> adapter_config.json + adapter_model.safetensors (PEFT), the adapters
+    alone read from the checkpoint, a block at a time (the base is never built)."""
+    check_merge_dtype(dtype, lora=False)
+    run = _run(config, overrides)
+    check_exportable(run)
+    step_dir, meta = lora_checkpoint(run, src)
+    path, n, size = write_peft_streamed(run, step_dir, meta, out, getattr(torch, dtype), _progress)
+    print(f"wrote {path} from checkpoint {step_dir}: {n} adapter tensors ({size / 1e6:.1f} MB, {dtype})")
+
+
+def run_to_hf(
+    src: Path, out: Path, config: str, overrides: list[str], dtype: str | None, max_shard_size: int
+) -> None:
+    """A trainer checkpoint with its run's config -> HF folder with the tokenizer files, streamed from
+    the checkpoint's model entries a group at a time (the model is never built). A LoRA run's: the
+    base (model.hf_path or the seed) with its adapters merged, W + s * B @ A (inference/lora_export.py)."""
+    run = _run(config, overrides)
+    check_merge_dtype(dtype, lora=run.lora is not None)  # never FP8 / FP4: the update would round away
+    cfg = run.cfg
+    if run.lora is not None:
+        step_dir, meta = lora_checkpoint(run, src)
+        source = MergedSource(run, step_dir, meta, _progress)
+    else:
+        step_dir = resolve_step_dir(src, cfg.checkpoint.folder)
+        check_adapters(run, step_dir)  # a LoRA checkpoint needs its run's [lora]
+        meta = build_on_meta(lambda: run.spec.build(run.model_args))
+        fingerprint = model_fingerprint([meta], model=cfg.model.name, flavor=run.flavor)
+        read_model(meta, step_dir, fingerprint, load=False)
+        source = DcpSource(step_dir, "model.")
     hf.export(
         run.spec,
-        DcpSource(step_dir, "model."),
+        source,
         run.model_args,
         out,
         getattr(torch, dtype) if dtype else None,
@@ -129,7 +181,8 @@ def run_to_hf(
         max_shard_size=max_shard_size,
     )
     files = ", ".join(sorted(p.name for p in out.iterdir()))
-    print(f"wrote {out} from checkpoint {step_dir}: {files}")
+    merged = f" (base + the adapters of {source.merged} tensors)" if run.lora is not None else ""
+    print(f"wrote {out} from checkpoint {step_dir}{merged}: {files}")
 
 
 def _dcp_args(spec, source: DcpSource, flavor: str | None, hf_config: Path | None):
@@ -201,6 +254,7 @@ def to_hf(
     ]
     if shapes:
         raise ValueError(f"{dcp_dir} does not have this architecture's shapes: " + "; ".join(shapes[:5]))
+    check_merge_dtype(dtype, lora=False)
     hf.export(
         spec, source, args, out, getattr(torch, dtype) if dtype else None, max_shard_size=max_shard_size
     )
@@ -305,24 +359,31 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--config", default=None, help="the run's TOML (a path or a name in train_configs/)")
     b.add_argument("--flavor", default=None, help="without --config: the flavor of a DCP folder")
     b.add_argument("--hf-config", type=Path, default=None, help="without --config: an HF config.json")
-    b.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
+    b.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: as stored)")
     b.add_argument(
         "--max-shard-size",
         type=parse_size,
         default=DEFAULT_MAX_SHARD_SIZE,
         help="largest safetensors file (bytes, or 5GB / 500MB / 2GiB; default 5GB as transformers)",
     )
+    d = sub.add_parser("to-peft", help="a LoRA run's checkpoint -> PEFT adapter folder")
+    d.add_argument("src", type=Path, help="RUN/checkpoint/step-N or a run folder (its newest step)")
+    d.add_argument("out", type=Path)
+    d.add_argument("--config", required=True, help="the run's TOML (a path or a name in train_configs/)")
+    d.add_argument("--dtype", default="float32", help="float32 (default) or bfloat16")
     c = sub.add_parser("stack-experts", help="trainer checkpoint, per-expert layout -> stacked experts")
     c.add_argument("src", type=Path)
     c.add_argument("out", type=Path)
     opts, overrides = p.parse_known_args(argv)
-    if overrides and not (opts.cmd == "to-hf" and opts.config):
-        p.error(f"unrecognized arguments: {' '.join(overrides)} (config overrides need to-hf --config)")
+    if overrides and not (opts.cmd in ("to-hf", "to-peft") and opts.config):
+        p.error(f"unrecognized arguments: {' '.join(overrides)} (config overrides need --config)")
     try:
         if opts.cmd == "to-dcp":
             to_dcp(opts.src, opts.out, opts.flavor)
         elif opts.cmd == "stack-experts":
             stack_checkpoint(opts.src, opts.out)
+        elif opts.cmd == "to-peft":
+            to_peft(opts.src, opts.out, opts.config, overrides, opts.dtype)
         elif opts.config is not None:
             if opts.flavor or opts.hf_config:
                 raise ValueError(
@@ -336,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"error: convert_hf.py needs {HF_EXTRA} ({e})", file=sys.stderr)
         return 1
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError) as e:  # NotExportable too
         print(f"error: {one_line(e)}", file=sys.stderr)
         return 1
     return 0

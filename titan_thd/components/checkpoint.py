@@ -430,11 +430,13 @@ class CheckpointManager:
         return step
 
 
-def read_model(model: nn.Module, step_dir: Path, fingerprint: dict[str, Any], *, load: bool = True) -> None:
-    """The model entries of the trainer checkpoint `step_dir` (RUN/checkpoint/step-N) read into `model`;
-    its optimizer, data and schedule state stay on disk. ValueError first when it was saved from another
-    model (each difference from `fingerprint` named) or its files fail their CRC-32s. `load=False`: the
-    fingerprint check alone, nothing read (`model` may be on the meta device)."""
+def read_model(
+    model: nn.Module, step_dir: Path, fingerprint: dict[str, Any], *, load: bool = True, keys: Collection = ()
+) -> None:
+    """The model entries of the trainer checkpoint `step_dir` (RUN/checkpoint/step-N) read into `model`
+    (`keys`: only those, e.g. a LoRA run's adapters; empty: all); its optimizer, data and schedule
+    state stay on disk. ValueError first when it was saved from another model (each difference from
+    `fingerprint` named) or its files fail their CRC-32s. `load=False`: the check alone, nothing read."""
     step = STEP_DIR.match(step_dir.name)
     if step is None or not (step_dir / META_FILE).is_file():
         raise ValueError(
@@ -442,8 +444,7 @@ def read_model(model: nn.Module, step_dir: Path, fingerprint: dict[str, Any], *,
             "written by scripts/convert_hf.py to-dcp converts back with to-hf and loads via --model.hf_path)"
         )
     cfg = Checkpoint(enable=True, folder=step_dir.parent.name, load_step=int(step.group(1)))
-    manager = CheckpointManager(cfg, str(step_dir.parent.parent), model=model, fingerprint=fingerprint)
-    if load:
-        manager.load()
-    else:
-        manager.check_resumable()
+    manager = CheckpointManager(
+        cfg, str(step_dir.parent.parent), model=model, fingerprint=fingerprint, model_keys=keys or None
+    )
+    manager.load() if load else manager.check_resumable()

@@ -8,7 +8,10 @@ Where the weights come from (the first that applies):
   of ANY parallel layout loads, since DCP reshards it into this one process (data, context, tensor,
   pipeline or expert parallel). It must come from the model the config describes: the checkpoint's
   fingerprint (model, flavor, every parameter's name and shape) is compared and every difference named;
-  its files are verified against their CRC-32s (components/checkpoint.py);
+  its files are verified against their CRC-32s (components/checkpoint.py). A LoRA run's checkpoint holds
+  its adapters only: the model is built with them (Run.build_model), the base drawn from the seed and
+  read from `model.hf_path` as the trainer did, then the adapters read; the checkpoint must come from
+  the config's lora.* and base (titan_thd/inference/lora_export.py `check_adapters`);
 - `model.hf_path` of the config (or a `--model.hf_path` override): a Hugging Face folder;
 - `untrained`: the seeded initialisation the trainer would start from (a baseline).
 
@@ -36,6 +39,8 @@ from titan_thd.data import deepseek_chat
 from titan_thd.data.chat_template import encode_prompt
 from titan_thd.data.tokenizer import END_OF_TURN, Tokenizer
 from titan_thd.inference.generate import Completion, generate
+from titan_thd.inference.lora_export import check_adapters
+from titan_thd.lora.targets import trained_keys
 from titan_thd.models import hf
 from titan_thd.models.spec import ModelSpec, as_dtype
 from titan_thd.parallel.distributed import parse_device
@@ -123,7 +128,7 @@ def load_model(
     device = parse_device(device)  # before anything loads: --device cuda on a CPU-only machine is one line
     cfg = inference_config(argv)
     run = resolve_run(cfg, 1)
-    spec, tokenizer, model_args = run.spec, run.tokenizer, run.model_args
+    spec, tokenizer = run.spec, run.tokenizer
     if checkpoint is None and not cfg.model.hf_path and not untrained:
         raise ValueError(
             "no weights: give --checkpoint (RUN/checkpoint/step-N, or a run folder), --model.hf_path "
@@ -132,15 +137,20 @@ def load_model(
     step_dir, fingerprint = None, {}
     if checkpoint is not None:  # refuse another model's checkpoint before building anything
         step_dir = resolve_step_dir(checkpoint, cfg.checkpoint.folder)
-        meta = build_on_meta(lambda: spec.build(model_args))
+        check_adapters(run, step_dir)  # LoRA: adapters of these lora.*, trained on this base
+        meta = build_on_meta(run.build_model)
         fingerprint = model_fingerprint([meta], model=cfg.model.name, flavor=run.flavor)
         read_model(meta, step_dir, fingerprint, load=False)
-    model = build_on_meta(lambda: spec.build(model_args)).to_empty(device="cpu")
+    # A LoRA run's model carries its adapters (Run.build_model); its base is drawn from the seed or read
+    # from model.hf_path below, as the trainer's was, in the master dtype the trainer drew it in.
+    model = build_on_meta(run.build_model).to(run.precision.master).to_empty(device="cpu")
     model.init_weights(cfg.training.seed)  # the trainer's initialisation (what --untrained evaluates)
     if step_dir is not None:
-        model.to(as_dtype(cfg.training.dtype))
-        read_model(model, step_dir, fingerprint)
-        source = f"checkpoint {step_dir}"
+        if run.lora is not None and cfg.model.hf_path:
+            hf.load_into(spec, model, cfg.model.hf_path)
+        read_model(model, step_dir, fingerprint, keys=() if run.lora is None else trained_keys(model))
+        base = f" (LoRA adapters on {cfg.model.hf_path or 'the seeded base'})" if run.lora else ""
+        source = f"checkpoint {step_dir}{base}"
     elif cfg.model.hf_path:
         hf.load_into(spec, model, cfg.model.hf_path)
         source = f"Hugging Face folder {cfg.model.hf_path}"

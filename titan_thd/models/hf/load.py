@@ -4,6 +4,7 @@ flavor against it, and the load of its weights into a plain or sharded model (ea
     args = folder_args(spec, path)                        # config.json -> the family's args
     check(spec, args, path, "model.flavor = 'tiny'")       # ValueError naming every difference
     stats = load_into(spec, model, path)                  # allocated model (plain / DTensor shards)
+    folder, sources = folder_sources(spec, args, path)    # our key -> Source, checked (headers only)
     model = load(spec, path)                              # built from config.json, float32 on CPU
     rows = vocab_size(path, tokenizer.vocab_size)         # start-up: the embedding's rows
 
@@ -26,7 +27,7 @@ from torch import nn
 
 from titan_thd.config.jsonfile import read_json_object
 from titan_thd.models.hf.adapter import HFAdapter
-from titan_thd.models.hf.io import LoadStats, SafetensorsFolder, check_fits, load_sources
+from titan_thd.models.hf.io import LoadStats, SafetensorsFolder, Source, check_fits, load_sources
 
 if TYPE_CHECKING:
     from titan_thd.models.spec import ModelSpec
@@ -129,17 +130,18 @@ def _has_place(key: str, full: nn.Module) -> bool:
     return True
 
 
-def load_into(spec: ModelSpec, model: nn.Module, path: str | Path) -> LoadStats:
-    """Load a folder into an allocated model (plain or sharded tensors, or a pipeline stage of it),
-    each rank reading only its slices; config.json must describe `model.args`' architecture
-    (ValueError naming the differing fields, or the file and tensor that do not fit, before anything
-    is written). Returns what this rank read."""
+def folder_sources(
+    spec: ModelSpec, args: Any, path: str | Path
+) -> tuple[SafetensorsFolder, dict[str, Source]]:
+    """(the folder, our key -> how it is read) of every tensor of the model `args` describe that the
+    folder holds, checked against that model's names and shapes (ValueError naming the file and the
+    tensor); headers only. A top-level module of `adapter.optional` may be absent (one warning)."""
     adapter, path = adapter_of(spec), Path(path)
-    check(spec, model.args, path)
+    check(spec, args, path)
     folder = SafetensorsFolder(path)
     sources = adapter.sources(folder, read_config(path), str(path))
     with torch.device("meta"):  # the full model's names and shapes, no memory
-        full = spec.build(model.args)
+        full = spec.build(args)
     expected = {k: tuple(v.shape) for k, v in full.state_dict().items()}
     if adapter.skip_unplaced:
         extras = sorted(k for k in sources if k not in expected and not _has_place(k, full))
@@ -160,6 +162,15 @@ def load_into(spec: ModelSpec, model: nn.Module, path: str | Path) -> LoadStats:
     if absent:
         tops = sorted({k.split(".")[0] for k in absent})
         logger.warning("%s has no weights of %s; they keep their initialisation", path, ", ".join(tops))
+    return folder, sources
+
+
+def load_into(spec: ModelSpec, model: nn.Module, path: str | Path) -> LoadStats:
+    """Load a folder into an allocated model (plain or sharded tensors, or a pipeline stage of it),
+    each rank reading only its slices; config.json must describe `model.args`' architecture
+    (ValueError naming the differing fields, or the file and tensor that do not fit, before anything
+    is written). Returns what this rank read."""
+    folder, sources = folder_sources(spec, model.args, path)
     stats = load_sources(model, sources, folder)
     logger.info(
         "%s: loaded %d tensors, read %.1f of the folder's %.1f MB",
