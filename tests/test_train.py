@@ -243,6 +243,28 @@ def test_hf_checkpoint_initialises_the_trainer_model(tmp_path, hf_checkpoint):
     assert not torch.equal(fresh.state_dict()["embed.weight"], reference.state_dict()["embed.weight"])
 
 
+def test_the_trainer_never_draws_what_the_hf_folder_provides(tmp_path, hf_checkpoint, monkeypatch):
+    """The seeded init skips every tensor the folder holds (they are read next), draws the rest (dsv4's
+    MTP, which transformers' export lacks, non-persistent buffers), and the weights are the folder's."""
+    from titan_thd.models import get_model_spec, hf
+    from titan_thd.parallel import seeded_init
+
+    reference, path = hf_checkpoint
+    drawn: list[str] = []
+    draw = seeded_init.init_tensor
+    monkeypatch.setattr(
+        seeded_init, "init_tensor", lambda t, seed, fqn, rule: (drawn.append(fqn), draw(t, seed, fqn, rule))
+    )
+    trainer = Trainer(resolve_run(_dsv4_cfg(tmp_path, path)))
+    try:
+        assert_loaded_and_first_ce(trainer, reference)
+    finally:
+        trainer.close()
+    provided = set(hf.folder_sources(get_model_spec("dsv4"), reference.args, path)[1])
+    assert provided and drawn and not provided & set(drawn)
+    assert set(drawn) | provided >= set(reference.state_dict())
+
+
 def test_hf_checkpoint_of_another_architecture_or_vocab_is_refused(tmp_path, hf_checkpoint):
     _, path = hf_checkpoint
     with pytest.raises(

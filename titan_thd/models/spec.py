@@ -12,7 +12,8 @@ Model contract (docs/design.md §3.4):
                                         # cross-entropy sum, by the global trained-token count.
 Initialisation is a function of the seed only (never of the parallel layout): the trainer builds
 the model on the meta device, shards it, allocates this rank's shards and calls
-`model.init_weights(seed)` (parallel/seeded_init.py), which fills them block by block.
+`model.init_weights(seed, skip)` (parallel/seeded_init.py), which fills them block by block, all but the
+tensors in `skip` (those a Hugging Face folder read next provides).
 """
 
 from __future__ import annotations

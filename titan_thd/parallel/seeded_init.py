@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 
 import torch
 from torch import nn
@@ -48,14 +48,18 @@ def block_seed(seed: int, fqn: str, row: int) -> int:
 
 
 @torch.no_grad()
-def init_seeded(model: nn.Module, seed: int, rules: Mapping[str, InitRule]) -> None:
-    """Fill every parameter and buffer of `model` (plain tensors or DTensors, on any device) by its rule."""
+def init_seeded(
+    model: nn.Module, seed: int, rules: Mapping[str, InitRule], skip: Collection[str] = ()
+) -> None:
+    """Fill every parameter and buffer of `model` (plain tensors or DTensors, on any device) by its rule,
+    but those named in `skip` (what a checkpoint read next provides: drawing them would be wasted)."""
     tensors = dict(model.named_parameters()) | dict(model.named_buffers())
     for name, t in tensors.items():
         fqn = canonical_name(name)
         if fqn not in rules:
             raise KeyError(f"{fqn}: the model's init rules do not name it")
-        init_tensor(t, seed, fqn, rules[fqn])
+        if fqn not in skip:
+            init_tensor(t, seed, fqn, rules[fqn])
 
 
 def init_tensor(t: torch.Tensor, seed: int, fqn: str, rule: InitRule) -> None:

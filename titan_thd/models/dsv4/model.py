@@ -21,6 +21,8 @@ Module and parameter names follow the reference checkpoint (`embed`, `layers.<i>
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -104,13 +106,14 @@ class DSv4Model(nn.Module):
         acc = torch.promote_types(logits_rV.dtype, torch.float32)
         return F.cross_entropy(logits_rV.to(acc), target_T[rows_r], reduction="sum")
 
-    def init_weights(self, seed: int | None = None) -> None:
+    def init_weights(self, seed: int | None = None, skip: Collection[str] = ()) -> None:
         """Fill every parameter and buffer (whole, or this rank's shards) from `seed` alone, a value
         per (tensor, block of rows): the same weights on every parallel layout (parallel/seeded_init.py).
-        `seed` None: drawn from the global RNG (a model built under `torch.manual_seed(s)`)."""
+        `seed` None: drawn from the global RNG (a model built under `torch.manual_seed(s)`). `skip`: names
+        of tensors left as they are (a checkpoint read next fills them)."""
         if seed is None:
             seed = int(torch.randint(2**62, ()))
-        init_seeded(self, seed, self.init_rules() | adapter_init_rules(self))
+        init_seeded(self, seed, self.init_rules() | adapter_init_rules(self), skip)
 
     def init_rules(self) -> dict[str, InitRule]:
         """{fqn: rule} of every parameter and buffer. Matrices N(0, init_std); norms 1; mHC base 0

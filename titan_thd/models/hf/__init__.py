@@ -13,13 +13,23 @@ transformers' module names) and sets `ModelSpec.hf`; everything else is here, on
 
 from titan_thd.models.hf.adapter import HFAdapter, module_name, plain_sources, rename
 from titan_thd.models.hf.export import export
-from titan_thd.models.hf.load import check, folder_args, load, load_into, match_args, read_config, vocab_size
+from titan_thd.models.hf.load import (
+    check,
+    folder_args,
+    folder_sources,
+    load,
+    load_into,
+    match_args,
+    read_config,
+    vocab_size,
+)
 
 __all__ = [
     "HFAdapter",
     "check",
     "export",
     "folder_args",
+    "folder_sources",
     "load",
     "load_into",
     "match_args",

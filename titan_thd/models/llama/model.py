@@ -18,6 +18,7 @@ and sets `tok_embeddings` / `norm` / `output` to None).
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 
 import torch
 import torch.nn.functional as F
@@ -130,13 +131,14 @@ class Llama(nn.Module):
         logits_TV = self.output(h_TD) if self.output is not None else h_TD
         return ModelOutput(logits_TV, {})
 
-    def init_weights(self, seed: int | None = None) -> None:
+    def init_weights(self, seed: int | None = None, skip: Collection[str] = ()) -> None:
         """Fill every parameter (whole, or this rank's shards) from `seed` alone, a value per (tensor,
         block of rows): the same weights on every parallel layout (parallel/seeded_init.py). `seed`
-        None: drawn from the global RNG (a model built under `torch.manual_seed(s)`)."""
+        None: drawn from the global RNG (a model built under `torch.manual_seed(s)`). `skip`: names of
+        tensors left as they are (a checkpoint read next fills them)."""
         if seed is None:
             seed = int(torch.randint(2**62, ()))
-        init_seeded(self, seed, self.init_rules() | adapter_init_rules(self))
+        init_seeded(self, seed, self.init_rules() | adapter_init_rules(self), skip)
 
     def init_rules(self) -> dict[str, InitRule]:
         """{fqn: rule} of every parameter: embeddings N(0, 1), norms 1, the projections into a block
