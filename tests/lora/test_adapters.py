@@ -30,12 +30,17 @@ def dsv4_adapted(targets=ALL_DSV4, rank=3, alpha=6.0, rslora=False, b_scale=0.1)
     base = copy.deepcopy(model)
     attach(model, plan)
     init_adapters(model, seed=7)
+    return base, _trained(model, b_scale), plan
+
+
+def _trained(model, b_scale: float):
+    """`model` with its B factors drawn away from zero (a trained adapter), or left at zero."""
     g = torch.Generator().manual_seed(5)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if b_scale and ".lora_B" in name:
                 p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * b_scale)
-    return base, model, plan
+    return model
 
 
 def llama_adapted(b_scale=0.1):
@@ -45,12 +50,7 @@ def llama_adapted(b_scale=0.1):
     base = copy.deepcopy(model)
     attach(model, plan)
     init_adapters(model, seed=3)
-    g = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if b_scale and ".lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * b_scale)
-    return base, model, plan
+    return base, _trained(model, b_scale), plan
 
 
 def test_targets_are_exact_paths_never_the_indexer_or_compressors():

@@ -38,6 +38,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from tests._dist import spawn
 from tests.conftest import TRAIN_ARGS
+from tests.test_train_layouts import records
 from titan_thd.config import load_config
 from titan_thd.lora.targets import trained_keys
 from titan_thd.models.dsv4 import build_dsv4, export_hf, flavors
@@ -77,10 +78,6 @@ def train(args: list[str]) -> None:
         trainer.train()
     finally:
         trainer.close()
-
-
-def records(dump: Path) -> list[dict]:
-    return [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
 
 
 def computed(recs: list[dict]) -> list[dict]:
