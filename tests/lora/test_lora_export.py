@@ -18,6 +18,7 @@ import importlib.util
 import json
 from pathlib import Path
 
+import peft  # the test extra installs it: a missing peft fails, never skips
 import pytest
 import torch
 
@@ -32,7 +33,6 @@ from titan_thd.parallel.fsdp import build_on_meta
 from titan_thd.startup import resolve_run
 from titan_thd.train import Trainer
 
-peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import json
 
+import peft  # the test extra installs it: a missing peft fails, never skips
 import pytest
 import torch
 
@@ -19,7 +20,6 @@ from titan_thd.lora.targets import attach, init_adapters, is_adapter, resolve_lo
 from titan_thd.models import get_model_spec
 from titan_thd.models.dsv4.lora_targets import LORA as DSV4
 
-peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
 
