@@ -293,10 +293,10 @@ def test_ctrl_c_saves_the_adapters_and_the_resume_continues(
     dump = tmp_path / "stopped"
     train_step = Trainer.train_step
 
-    def interrupted_step(self, step_batch):
+    def interrupted_step(self, step_batch, *rest):
         if self.step == 3:
             os.kill(os.getpid(), signal.SIGINT)
-        return train_step(self, step_batch)
+        return train_step(self, step_batch, *rest)
 
     with monkeypatch.context() as m:
         m.setattr(Trainer, "train_step", interrupted_step)

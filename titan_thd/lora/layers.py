@@ -19,8 +19,10 @@ adapter per expert: the result never depends on the expert-parallel degree.
 
 A layer applies its adapter with `Linear.forward` (a module call, plain or DTensor operands) or
 `linear_local` (this rank's shards inside a tensor-parallel partial-sum region); the routed experts
-with `expert_delta` inside their grouped product. The order of operations is PEFT's,
-`B(A(x)) * s`, so the adapter computes what `peft` computes on transformers' model.
+with `expert_delta` inside their grouped product: x A^T, times (s B)^T, added in place to the base's
+product (s scales the [out, r] factor, not a [T, out] product: no activation-sized temporary in the
+forward or the backward). `peft` computes (x A^T B^T) s: the same up to float rounding, exactly the
+same when s is a power of two (tests/lora/test_peft.py bounds the logits).
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ class Linear(nn.Linear):
         A = self._parameters.get("lora_A")
         if A is None:
             return y
-        return y + F.linear(F.linear(x, A), self.lora_B) * getattr(self, SCALING)
+        return y.add_(F.linear(F.linear(x, A), self.lora_B * getattr(self, SCALING)))
 
 
 def linear_local(x: torch.Tensor, m: nn.Linear) -> torch.Tensor:
@@ -60,7 +62,7 @@ def linear_local(x: torch.Tensor, m: nn.Linear) -> torch.Tensor:
     A = m._parameters.get("lora_A")
     if A is None:
         return y
-    return y + F.linear(F.linear(x, local(A)), local(m.lora_B)) * getattr(m, SCALING)
+    return y.add_(F.linear(F.linear(x, local(A)), local(m.lora_B) * getattr(m, SCALING)))
 
 
 def grouped_delta(x_TGI: torch.Tensor, m: nn.Linear) -> torch.Tensor | None:
@@ -72,7 +74,7 @@ def grouped_delta(x_TGI: torch.Tensor, m: nn.Linear) -> torch.Tensor | None:
     B = local(m.lora_B)
     G = x_TGI.shape[1]
     xa_TGR = F.linear(x_TGI, local(A))
-    return torch.einsum("tgr,gor->tgo", xa_TGR, B.view(G, -1, B.shape[-1])) * getattr(m, SCALING)
+    return torch.einsum("tgr,gor->tgo", xa_TGR, B.view(G, -1, B.shape[-1]) * getattr(m, SCALING))
 
 
 @dataclass(frozen=True)
@@ -107,7 +109,7 @@ def expert_delta(
     x_NI: torch.Tensor, counts: list[int], A_ERI: torch.Tensor, B_EOR: torch.Tensor, scaling: float
 ) -> torch.Tensor:
     """Rows grouped by expert (`counts`), group e times s (B_e A_e)^T, as two grouped products."""
-    return grouped_linear(grouped_linear(x_NI, counts, A_ERI), counts, B_EOR) * scaling
+    return grouped_linear(grouped_linear(x_NI, counts, A_ERI), counts, B_EOR * scaling)
 
 
 def scaling(alpha: float, rank: int, rslora: bool) -> float:

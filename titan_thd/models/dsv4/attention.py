@@ -151,5 +151,5 @@ class Attention(nn.Module):
         o_TGI = o_THD.reshape(T, G, -1)
         o_TGO = torch.einsum("tgi,goi->tgo", o_TGI, wo_a_GOI)
         if (delta_TGO := grouped_delta(o_TGI, self.wo_a)) is not None:  # a LoRA adapter (lora/)
-            o_TGO = o_TGO + delta_TGO
+            o_TGO = o_TGO.add_(delta_TGO)
         return linear_local(o_TGO.flatten(1), self.wo_b), lse_TH

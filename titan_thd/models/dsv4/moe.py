@@ -78,12 +78,12 @@ def grouped_experts(
     gate, up = grouped_linear(x_ND, counts, w1_EFD), grouped_linear(x_ND, counts, w3_EFD)
     if lora is not None and lora.A13_ERD is not None:  # w1 and w3 share A (PEFT's fused gate_up_proj)
         xa_NR = grouped_linear(x_ND, counts, lora.A13_ERD)
-        gate = gate + grouped_linear(xa_NR, counts, lora.B1_EFR) * lora.scaling
-        up = up + grouped_linear(xa_NR, counts, lora.B3_EFR) * lora.scaling
+        gate = gate.add_(grouped_linear(xa_NR, counts, lora.B1_EFR * lora.scaling))
+        up = up.add_(grouped_linear(xa_NR, counts, lora.B3_EFR * lora.scaling))
     h_NF = act(gate, up, limit)
     out = grouped_linear(h_NF, counts, w2_EDF)
     if lora is not None and lora.A2_ERF is not None:
-        out = out + expert_delta(h_NF, counts, lora.A2_ERF, lora.B2_EDR, lora.scaling)
+        out = out.add_(expert_delta(h_NF, counts, lora.A2_ERF, lora.B2_EDR, lora.scaling))
     return out
 
 
