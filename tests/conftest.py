@@ -22,6 +22,15 @@ TRAIN_ARGS: tuple[str, ...] = (
 """Chat SFT on the embedded dataset, 8 conversations per step in microbatches of 512 tokens."""
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _activation_cache(tmp_path_factory):
+    """Activation measurements cached on disk (titan_thd/memory/cache.py) go to the session's tmp
+    folder (subprocesses inherit it): tests neither read a developer's cache nor leave one behind."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TITAN_THD_CACHE", str(tmp_path_factory.mktemp("titan_thd_cache")))
+        yield
+
+
 @pytest.fixture(scope="module")
 def tiny_llama():
     """The flavor name of `tests._tiny_llama` (127k parameters), registered for one test module

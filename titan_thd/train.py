@@ -38,6 +38,7 @@ from titan_thd.components.metrics import (
     step_record,
 )
 from titan_thd.components.optimizer import OptimizersContainer, build_optimizers, clip_grad_norm_
+from titan_thd.components.progress import Progress
 from titan_thd.components.run_header import header_lines
 from titan_thd.components.run_settings import run_layout
 from titan_thd.components.signals import StopSignal
@@ -50,7 +51,7 @@ from titan_thd.data.packed_batch import PackedBatch
 from titan_thd.data.stores import build_stores
 from titan_thd.inference.evaluation import TrainingEvaluator
 from titan_thd.lora.targets import trained_keys
-from titan_thd.memory.dry_run import fake_step_fits
+from titan_thd.memory.dry_run import fake_step_fits, materialize, plan_with_activations
 from titan_thd.memory.live import available_host_bytes, log_peak_rss
 from titan_thd.memory.plan import MemoryPlan, plan_memory, refuse_beyond_host
 from titan_thd.models import hf
@@ -98,6 +99,8 @@ class Trainer:
     peak_tflops: float
     compile_clock: CompileClock
     timer: StepTimer
+    progress: Progress | None
+    """The running step's microbatch count: a line every 30 s of the first step of a process."""
     _recent_step_times: collections.deque[float]
     # ---- training state (checkpointed as "train_state")
     step: int
@@ -125,8 +128,9 @@ class Trainer:
             torch.use_deterministic_algorithms(True)
         dims.build_meshes(self.dist.device.type)
         # Every pipeline rank's memory, planned once by rank 0, which logs it and decides the host
-        # refusal for all, before anything is allocated; in a dry run every rank sizes its own step.
-        self.memory = plan_memory(run) if self.dist.is_main or run.fake else None
+        # refusal for all, before anything is allocated; in a dry run every rank sizes its own step
+        # (its activations measured after the header: memory/dry_run.py).
+        self.memory = plan_memory(run, measure=not run.fake) if self.dist.is_main or run.fake else None
         self._refuse_beyond_host_memory()
         cp_group = None if dims.cp == 1 else dims.get_mesh("cp").get_group()
         self.cp = CPContext(dims.cp, dims.mesh_rank("cp"), cp_group, run.cp_mode, run.hybrid_threshold)
@@ -181,7 +185,7 @@ class Trainer:
         self.metrics = MetricsLogger(cfg.metrics, cfg.job.dump_folder, enabled=is_main, settings=run.settings)
         self._recent_step_times = collections.deque(maxlen=10)
         self.compile_clock = CompileClock()  # the compile seconds of the steps that compiled
-        self.timer = StepTimer(self.dist.device)
+        self.timer, self.progress = StepTimer(self.dist.device), None
         if is_main:
             self._log_header()
             if not run.fake:  # the run folder holds the tokenizer it was trained with
@@ -218,7 +222,7 @@ class Trainer:
         self.optimizers.zero_grad()
         num_trained = max(1, step_batch.trained_tokens)
         with self.timer.phase("forward_backward"):  # sums over this rank's rows (every stage's)
-            inputs = LazyInputs(step_batch.microbatches, self.local_inputs)
+            inputs = LazyInputs(step_batch.microbatches, self.local_inputs, self.progress)
             ce_sum, aux_sums = self.runner.step(inputs, num_trained)
         with self.timer.phase("comm"):
             grad_norm = self.clip_gradients()
@@ -282,10 +286,12 @@ class Trainer:
     def train(self) -> None:
         run = self.run
         if run.fake:  # a dry run's step only where its memory fits this machine (memory/dry_run.py)
+            self.memory = plan_with_activations(run, log=self.dist.is_main)  # measured after the header
             rank, tokens = self.memory.ranks[run.dims.mesh_rank("pp")], run.tokens_per_rank
             flops = run.spec.flops_per_step(run.model_args, [tokens]) / run.dims.pp
             if not fake_step_fits(rank, tokens, flops, self.peak_tflops):
                 return
+            materialize(self.model, self.dist.device, self.optimizers)  # its shards, for the step
         self.stop.install()
         self.checkpointer.load()  # restores self.step / tokens_seen / the data position
         if self.dist.device.type == "cpu":  # the model built (and loaded), no step yet
@@ -297,7 +303,10 @@ class Trainer:
             with self.timer.phase("data"):
                 step_batch = self.next_step_batch()
             self.step += 1  # counts completed optimizer steps: 1 is the first
-            result = self.train_step(step_batch)
+            first = self.dist.is_main and self.step == self.first_step + 1  # a line after 30 s
+            mbs, unit = len(step_batch.microbatches), "microbatches done"
+            with Progress(f"step {self.step}", mbs, unit, enabled=first, announce=False) as self.progress:
+                result = self.train_step(step_batch)
             self.tokens_seen += step_batch.real_tokens
             now = time.perf_counter()
             self.train_seconds, self.last_loss = now - start, result["loss"]

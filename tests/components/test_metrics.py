@@ -145,6 +145,30 @@ def test_peak_measured_once_and_shared_on_cpu(monkeypatch):
     assert M.peak_tflops_per_rank(Metrics(peak_tflops=7.0), torch.float32, cpu, local_world_size=4) == 7.0
 
 
+def test_peak_measurement_is_short_on_a_cpu_that_emulates_bf16(monkeypatch):
+    """A CPU without native bf16 (AVX2) emulated a 2048^2 bf16 product in about a minute: the six of
+    the old fixed-size measurement kept rank 0 silent for 5 minutes and the other ranks' barrier
+    timed out (docs/results.md §14). On a simulated clock at that speed the measurement now takes
+    seconds, and the rate it finds is the machine's."""
+    clock = [0.0]
+    rate = 2 * 2048**3 / 60.0  # FLOP/s: one 2048^2 product a minute
+
+    def matmul(a, b):
+        clock[0] += 2 * a.shape[0] ** 3 / rate
+        return a
+
+    monkeypatch.setattr(M.torch, "matmul", matmul)
+    monkeypatch.setattr(M.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(M.time, "sleep", lambda s: clock.__setitem__(0, clock[0] + s))
+    M._PEAK_CACHE.clear()
+    try:
+        peak = M.measure_matmul_tflops(torch.bfloat16, torch.device("cpu"))
+    finally:
+        M._PEAK_CACHE.clear()
+    assert clock[0] < 5.0, clock[0]
+    assert peak == pytest.approx(rate / 1e12)
+
+
 @pytest.mark.parametrize(
     ("gpu", "peak"),
     [

@@ -310,8 +310,8 @@ def test_fake_mode_world_the_degrees_do_not_multiply_to(tmp_path, monkeypatch, c
 
 
 def test_fake_mode_skips_a_step_that_cannot_fit(tmp_path, monkeypatch, caplog):
-    """The dry run still builds everything, then says why it does not run the step (and that 4
-    samples per step leave 4 of its 8 replicas with padding only)."""
+    """The dry run still builds everything (on the meta device), then says why it does not fill its
+    shards and run the step (and that 4 samples per step leave 4 of its 8 replicas with padding only)."""
     monkeypatch.setenv("NGPU", "8")
     monkeypatch.setattr("titan_thd.memory.dry_run.available_host_bytes", lambda: 16 * 4096)
     config = str(ROOT / "train_configs" / CONFIG)
@@ -322,8 +322,8 @@ def test_fake_mode_skips_a_step_that_cannot_fit(tmp_path, monkeypatch, caplog):
     assert "global_batch_size = 4 samples for 8 data-parallel replicas: at least 4" in caplog.text
     assert "estimated memory per rank" in caplog.text
     assert (
-        "the step is skipped because one FSDP unit unsharded and one microbatch's activations need"
-        in caplog.text
+        "the step is skipped because this rank's shards (0.0 GiB), one FSDP unit unsharded and one "
+        "microbatch's activations need" in caplog.text
     )
     assert not (tmp_path / "metrics.jsonl").exists()
 

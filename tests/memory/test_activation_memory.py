@@ -3,7 +3,8 @@ reads) against a measurement of real training steps (float64, one process, CPU):
 gradients and AdamW state (memory/state.py) plus one microbatch's saved activations and its largest
 recomputation (memory/activations.py) agree within 10 % with the peak of every live tensor
 (memory/live.py) over two optimizer steps, for both models,
-without recomputation, under `full`, under `full` on the first block only and under `selective`.
+without recomputation, under `full`, under `full` on the first block only and under `selective`, and
+for LoRA adapters on a frozen llama.
 
 Every document fills its microbatch: the estimate measures one document of T tokens, an upper bound
 for shorter packed documents where attention saves per-document scores (the CPU paths are quadratic
@@ -35,6 +36,8 @@ CASES = {
         "none": [],
         "full": [AC + "mode", "full"],
         "mlp": [AC + "mode", "selective", AC + "regions", "mlp"],
+        # A frozen base with adapters (its linears save no input for a weight gradient).
+        "lora": ["--lora.enable", "true", "--lora.targets", "attention,mlp", "--lora.rank", "4"],
     },
     "dsv4": {
         "none": [],
@@ -65,6 +68,7 @@ def _estimate_and_peak(model: str, extra: list[str], tmp_path) -> tuple[float, i
         T,
         torch.float64,
         cfg.activation_checkpoint,
+        lora=trainer.run.lora,
     )
     assert acts is not None
     saved, back = acts.stage(list(acts.kept.layers), first=True, last=True)

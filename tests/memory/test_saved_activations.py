@@ -51,14 +51,15 @@ def test_counts_each_saved_storage_once_where_it_is_saved_first():
 
 @pytest.mark.parametrize(("name", "flavor"), [("llama", "debug"), ("dsv4", "micro")])
 def test_narrowed_copies_extrapolate_to_the_full_width(name, flavor):
-    """Measured at widths / 4 and / 2 with one layer per kind, extrapolated to full width: the
+    """Measured at widths (and vocabulary) / 4 and / 2 with one layer per kind, extrapolated to full width: the
     first layer of each kind and the non-layer parts match the direct measurement to the byte.
     Later layers of a kind may differ by what they share with the layer before (<= 1 %)."""
     spec = get_model_spec(name)
     args = dataclasses.replace(spec.flavors[flavor], vocab_size=V * 4)
     tokens = 128
     direct = activations.measure(spec, args, tokens, torch.float32)
-    (a_args, kind_of), (b_args, _) = spec.narrow(args, 4), spec.narrow(args, 2)
+    (a_args, kind_of), (b_args, _) = activations.narrowed(spec, args, 4), activations.narrowed(spec, args, 2)
+    assert a_args.vocab_size == args.vocab_size // 4  # the logits narrow too
     a = activations.measure(spec, a_args, tokens, torch.float32)
     b = activations.measure(spec, b_args, tokens, torch.float32)
     full = activations.extrapolate(a, b, 4)

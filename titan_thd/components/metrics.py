@@ -29,7 +29,6 @@ from __future__ import annotations
 import io
 import json
 import logging
-import math
 import os
 import time
 from collections.abc import Iterator, Sequence
@@ -56,35 +55,47 @@ round can fall entirely into someone else's burst (a peak measured low makes the
 
 def measure_matmul_tflops(dtype: torch.dtype, device: torch.device, seconds: float = 0.6) -> float:
     """Best square-matmul TFLOP/s of `device` in `dtype` over `PEAK_TRIES` rounds spread over
-    `seconds`, measured once per process.
+    `seconds`, measured once per process, in about 2 to 7 x `seconds` whatever the speed.
 
-    On CPU every core available to the process is used for the measurement, so the result is the
-    whole machine's peak.
+    The size grows from 256 (to 2048 on CPU, 8192 on CUDA) while one product of twice the size is
+    predicted to take at most `seconds`: a CPU without native bf16 emulates a 2048 x 2048 bf16
+    product in about a minute (AVX2, 2 cores), and six of them, on rank 0 only, were a 5-minute
+    silence in which the other ranks' barrier timed out (docs/results.md §14). On CPU every core
+    available to the process is used for the measurement, so the result is the whole machine's peak.
     """
     key = (dtype, str(device))
     if key in _PEAK_CACHE:
         return _PEAK_CACHE[key]
-    n = 2048 if device.type == "cpu" else 8192
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
+    n_max = 2048 if device.type == "cpu" else 8192
     threads = torch.get_num_threads()
     if device.type == "cpu":
         torch.set_num_threads(len(os.sched_getaffinity(0)))
+
+    def timed(a: torch.Tensor, b: torch.Tensor) -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        torch.matmul(a, b)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - t0
+
     try:
-        torch.matmul(a, b)  # warm-up (kernel selection, page faults)
-        best = math.inf
+        n = 256
+        while True:
+            a = torch.randn(n, n, device=device).to(dtype)
+            b = torch.randn(n, n, device=device).to(dtype)
+            torch.matmul(a, b)  # warm-up (kernel selection, page faults)
+            best = timed(a, b)
+            if n >= n_max or 8 * best > seconds:  # the next size's product: 8 x the work
+                break
+            n *= 2
         for attempt in range(PEAK_TRIES):
             if attempt:
                 time.sleep(seconds / PEAK_TRIES / 2)  # the next round at another moment
             start = time.perf_counter()
-            while time.perf_counter() - start < seconds / PEAK_TRIES / 2 or best == math.inf:
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                t0 = time.perf_counter()
-                torch.matmul(a, b)
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                best = min(best, time.perf_counter() - t0)
+            while time.perf_counter() - start < seconds / PEAK_TRIES / 2:
+                best = min(best, timed(a, b))
     finally:
         torch.set_num_threads(threads)
     _PEAK_CACHE[key] = 2 * n**3 / best / 1e12

@@ -6,8 +6,10 @@
 - state.py: parameter, gradient and optimizer-state bytes of a rank's share (`estimate_memory_per_rank`),
   the largest all-gather of a wrapped model, and `size`, the byte formatter of every memory line.
 - activations.py: the saved activations of one microbatch per layer, measured (docs/design.md §5.3).
+- cache.py: those measured on narrowed copies (a dry run of a large model) kept on disk per model shape.
 - live.py: what a process holds, measured (live tensors, max RSS, the host's available memory).
-- dry_run.py: whether a fake-process-group dry run's step is worth running.
+- dry_run.py: a fake-process-group dry run's activations (after its header) and whether its step,
+  for which its shards are filled, fits this machine.
 
 Its `__init__` imports nothing: import the modules themselves.
 """

@@ -24,6 +24,7 @@ again during its backward is that layer's bytes without recomputation less its b
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -33,10 +34,13 @@ import torch
 from torch import nn
 
 from titan_thd.components.loss import cross_entropy_sum
+from titan_thd.components.progress import Progress
 from titan_thd.config import ActivationCheckpoint
 from titan_thd.data.batch_meta import BatchMeta
 from titan_thd.data.packer import pack_microbatch
 from titan_thd.data.sample import Sample
+from titan_thd.lora.targets import LoRAPlan, attach, init_adapters
+from titan_thd.memory import cache
 from titan_thd.memory.state import size
 from titan_thd.models.spec import ModelSpec, count_params
 from titan_thd.parallel.recompute import observe_decisions
@@ -138,25 +142,51 @@ def estimate(
     dtype: torch.dtype,
     narrow_ok: bool = True,
     prepare: Prepare | None = None,
+    progress: Progress | None = None,
 ) -> SavedBytes | None:
     """`measure` at full width when the model is small enough, else extrapolated from two narrowed
-    copies (module docstring; minutes of CPU for DSv4-Flash, so only where `narrow_ok`, else None).
-    The keys are the full model's layers either way."""
+    copies (module docstring; a minute or more of CPU for DSv4-Flash, so only where `narrow_ok`, else
+    None). The keys are the full model's layers either way; `progress` counts each forward."""
+    f = narrow_factor(spec, args, narrow_ok)
+    if f is None:
+        return None
+    if f == 1:
+        got = measure(spec, args, tokens, dtype, prepare)
+        if progress is not None:
+            progress.advance(tokens)
+        return got
+    (narrow_a, kind_of), (narrow_b, _) = narrowed(spec, args, f), narrowed(spec, args, f // 2)
+    a = measure(spec, narrow_a, tokens, dtype, prepare)
+    if progress is not None:
+        progress.advance(tokens)
+    b = measure(spec, narrow_b, tokens, dtype, prepare)
+    if progress is not None:
+        progress.advance(tokens)
+    full = extrapolate(a, b, f)
+    return SavedBytes({str(i): full.layers[str(k)] for i, k in enumerate(kind_of)}, full.before, full.after)
+
+
+def narrow_factor(spec: ModelSpec, args: Any, narrow_ok: bool = True) -> int | None:
+    """How `estimate` measures `args`: 1 at full width (up to `MAX_MEASURED_PARAMS`, or a model that
+    does not narrow), f on copies narrowed by f and f / 2, None not at all (too large, not `narrow_ok`)."""
     with torch.device("meta"):
         n = count_params(spec.build(args))
     f = next((f for f in (64, 32, 16, 8, 4) if _narrows(spec, args, f)), None)
     if n <= MAX_MEASURED_PARAMS or f is None:
-        return measure(spec, args, tokens, dtype, prepare)
-    if not narrow_ok:
-        return None
-    logger.info(
-        "dry run: measuring the saved activations per layer on narrowed copies of the model (minutes)"
-    )
-    (narrow_a, kind_of), (narrow_b, _) = spec.narrow(args, f), spec.narrow(args, f // 2)
-    a = measure(spec, narrow_a, tokens, dtype, prepare)
-    b = measure(spec, narrow_b, tokens, dtype, prepare)
-    full = extrapolate(a, b, f)
-    return SavedBytes({str(i): full.layers[str(k)] for i, k in enumerate(kind_of)}, full.before, full.after)
+        return 1
+    return f if narrow_ok else None
+
+
+def narrowed(spec: ModelSpec, args: Any, f: int) -> tuple[Any, list[int]]:
+    """`spec.narrow(args, f)` with the vocabulary / f as well where f divides it: the logits, the
+    loss's log-probabilities and their float32 copies ([T, V] each) are linear in V as the other
+    saved tensors are in their one width, so the extrapolation stays exact; at Flash's 129,280 and
+    8,192 tokens they were 7.6 of the 8.0 GiB a narrowed copy saved and 30 % of its time
+    (docs/results.md §14)."""
+    narrow_args, kind_of = spec.narrow(args, f)
+    if args.vocab_size % f == 0:
+        narrow_args = dataclasses.replace(narrow_args, vocab_size=args.vocab_size // f)
+    return narrow_args, kind_of
 
 
 def extrapolate(a: SavedBytes, b: SavedBytes, f: int) -> SavedBytes:
@@ -240,37 +270,106 @@ def activation_memory(
     dtype: torch.dtype,
     ac: ActivationCheckpoint,
     narrow_ok: bool = True,
+    lora: LoRAPlan | None = None,
 ) -> ActivationMemory | None:
     """Saved bytes per layer of one microbatch of `tokens` tokens without and with the run's
     recomputation, and what each layer's recomputation holds; None where `estimate` is None (a model
     too large to measure). Measured once per process and setting (a test that starts several runs of
-    one model measures once; the one-process `parallelize` reads no parallelism degree).
+    one model measures once; the one-process `parallelize` reads no parallelism degree). With `lora`
+    the model measured carries the run's adapters on its frozen base: a frozen projection does not
+    save its input for a weight gradient (its adapter's A does, the same tensor once).
 
     What a layer's recomputation holds: under `full` the layer's plain bytes less what it keeps;
     under `selective` the regions are recomputed one at a time (each at its own first unpack in the
     backward), so the largest region's own bytes, each region measured alone."""
-    key = repr((spec.name, args, tokens, dtype, ac, narrow_ok))
+    key = repr((spec.name, args, tokens, dtype, ac, narrow_ok, lora))
     if key not in _MEASURED:
-        _MEASURED[key] = _activation_memory(spec, args, tokens, dtype, ac, narrow_ok)
+        if lora is not None:  # every build of the measurement (narrowed copies too) gets the adapters
+            spec = dataclasses.replace(spec, build=functools.partial(_with_adapters, spec.build, lora))
+        _MEASURED[key] = _activation_memory(spec, args, tokens, dtype, ac, narrow_ok, key)
     return _MEASURED[key]
 
 
-def _activation_memory(spec, args, tokens, dtype, ac, narrow_ok):
+def _with_adapters(build: Callable[[Any], nn.Module], lora: LoRAPlan, args: Any) -> nn.Module:
+    model = build(args)
+    attach(model, lora)
+    if next(model.parameters()).device.type != "meta":
+        init_adapters(model, 0)
+    return model
+
+
+def lengths_measured(tokens: int, ac: ActivationCheckpoint) -> list[int]:
+    """The document lengths `activation_memory` measures, in order (one forward each, two on
+    narrowed copies): T with the run's recomputation; then, under recomputation, at
+    min(T, RECOMPUTE_TOKENS) without it and with it (each region alone under `selective`), and at T
+    without it where only the first `layers` blocks are recomputed."""
+    if ac.mode == "none":
+        return [tokens]
+    short = min(tokens, RECOMPUTE_TOKENS)
+    regions = len(ac.regions) if ac.mode == "selective" and len(ac.regions) > 1 else 0
+    kept_short = [short] if short != tokens and not regions else []
+    return [
+        tokens,
+        short,
+        *kept_short,
+        *[short] * regions,
+        *([tokens] if short < tokens and ac.layers else []),
+    ]
+
+
+def _activation_memory(spec, args, tokens, dtype, ac, narrow_ok, key):
+    """`activation_memory` measured, or read from the disk cache (memory/cache.py) where it measures
+    narrowed copies (a minute or more: once per model shape, length, dtype and recomputation)."""
+    f = narrow_factor(spec, args, narrow_ok)
+    if f is None:
+        return None
+    if f > 1 and (stored := cache.load(key)) is not None:
+        logger.info(
+            "memory plan: saved activations per layer read from %s (measured before)", cache.path_of(key)
+        )
+        return from_json(stored)
+    lengths = lengths_measured(tokens, ac)
+    forwards = len(lengths) * (1 if f == 1 else 2)
+    on = f"narrowed copies (widths / {f} and / {f // 2})" if f > 1 else "the model"
+    what = f"memory plan: measuring the saved activations per layer of one microbatch of {tokens:,} tokens"
+    what += f" on {on}"
+    weight = sum(lengths) * (1 if f == 1 else 2)
+    with Progress(what, forwards, "forwards", weight=weight, announce=f > 1) as progress:
+        got = _measure_all(spec, args, tokens, dtype, ac, narrow_ok, progress)
+    assert progress.count == forwards, (progress.count, forwards)  # lengths_measured is the plan
+    if f > 1 and got is not None:
+        cache.store(key, dataclasses.asdict(got))
+    return got
+
+
+def from_json(d: dict[str, Any]) -> ActivationMemory:
+    """An `ActivationMemory` from its `dataclasses.asdict` (the disk cache's JSON)."""
+    plain = None if d["plain"] is None else SavedBytes(**d["plain"])
+    return ActivationMemory(plain, SavedBytes(**d["kept"]), d["recompute"], d["layers"], d["loss_grad"])
+
+
+def _measure_all(spec, args, tokens, dtype, ac, narrow_ok, progress):
     recompute = recomputation(spec, ac)
-    kept = estimate(spec, args, tokens, dtype, narrow_ok, prepare=recompute)
+    kept = estimate(spec, args, tokens, dtype, narrow_ok, recompute, progress)
     if kept is None:
         return None
     loss_grad = loss_gradient_bytes(args, tokens, dtype)
     if recompute is None:
         return ActivationMemory(kept, kept, dict.fromkeys([*kept.layers, "after"], 0.0), 0, loss_grad)
     short = min(tokens, RECOMPUTE_TOKENS)
-    plain_short = estimate(spec, args, short, dtype, narrow_ok)
-    kept_short = kept if short == tokens else estimate(spec, args, short, dtype, narrow_ok, prepare=recompute)
-    assert plain_short is not None and kept_short is not None
-    alone = [kept_short]
+    plain_short = estimate(spec, args, short, dtype, narrow_ok, None, progress)
+    assert plain_short is not None
     if ac.mode == "selective" and len(ac.regions) > 1:
         one_region = [dataclasses.replace(ac, regions=(r,)) for r in ac.regions]
-        alone = [estimate(spec, args, short, dtype, narrow_ok, recomputation(spec, a)) for a in one_region]
+        alone = [
+            estimate(spec, args, short, dtype, narrow_ok, recomputation(spec, a), progress)
+            for a in one_region
+        ]
+    else:
+        kept_short = (
+            kept if short == tokens else estimate(spec, args, short, dtype, narrow_ok, recompute, progress)
+        )
+        alone = [kept_short]
     scale = tokens / short
 
     def held(plain: float, kept_alone: list[float]) -> float:
@@ -280,7 +379,7 @@ def _activation_memory(spec, args, tokens, dtype, ac, narrow_ok):
     back["after"] = held(plain_short.after, [a.after for a in alone])
     plain = plain_short
     if short < tokens:  # the blocks after the first `layers` of a stage keep their plain bytes at T
-        plain = estimate(spec, args, tokens, dtype, narrow_ok) if ac.layers else None
+        plain = estimate(spec, args, tokens, dtype, narrow_ok, None, progress) if ac.layers else None
     return ActivationMemory(plain, kept, back, ac.layers, loss_grad)
 
 

@@ -2,36 +2,59 @@
 
 A fake-PG step gathers each FSDP unit in full (the fake all-gather copies the local shard into every
 slot) and computes on garbage collectives, so its only use is to show that the layout runs. It is
-skipped, with the numbers, when one unsharded unit cannot fit in this machine or the step would
-compute for more than 5 minutes; the meshes, sharding, optimizer and memory lines are shown anyway.
+built on the meta device and its shards filled only for a step that fits: it is skipped, with the
+numbers, when this rank's shards, one unsharded unit and the activations cannot fit in this machine
+or the step would compute for more than 5 minutes; the meshes, sharding, optimizer and memory lines
+are shown anyway.
 """
 
 from __future__ import annotations
 
 import logging
 
+import torch
+from torch import nn
+
+from titan_thd.components.optimizer import OptimizersContainer
 from titan_thd.memory.live import available_host_bytes
-from titan_thd.memory.plan import RankMemory
+from titan_thd.memory.plan import MemoryPlan, RankMemory, plan_memory
+from titan_thd.parallel.fsdp import materialize_sharded
+from titan_thd.run import Run
 
 logger = logging.getLogger("titan_thd")
 
 MAX_STEP_SECONDS = 300
 
 
+def plan_with_activations(run: Run, log: bool) -> MemoryPlan:
+    """The dry run's memory plan with its activations, measured after the header (the header came
+    from the plan without them, `plan_memory(run, measure=False)`): a model measured on narrowed
+    copies takes a minute or more (progress lines), and the layout, sharding and state lines should
+    not wait for it. Logs the activation lines where `log` (rank 0)."""
+    plan = plan_memory(run)
+    if log:
+        for line in plan.activation_lines():
+            logger.info("%s", line)
+    return plan
+
+
 def fake_step_fits(rank: RankMemory, tokens_per_rank: int, flops_per_rank: float, peak_tflops: float) -> bool:
     """True when the dry run's step fits the machine's free memory and MAX_STEP_SECONDS; `rank`: this
-    rank's memory plan (memory/plan.py), whose largest FSDP unit and activations (what its microbatches'
-    forwards keep for their backward: without them a long microbatch ran this machine out of memory)
-    the step needs."""
+    rank's memory plan (memory/plan.py), whose shards (still on the meta device), largest FSDP unit
+    and activations (what its microbatches' forwards keep for their backward: without them a long
+    microbatch ran this machine out of memory) the step needs. Filled at build, Flash's 135 GiB of
+    shards per rank at dp x cp 8 swapped a 24 GiB machine until the kernel killed the dry run."""
     unit, activation_bytes = rank.largest_unit_bytes, rank.activation_bytes
     logger.info("dry run: largest unsharded FSDP unit %.2f GiB (one all-gather)", unit / 2**30)
-    need = 3 * unit + activation_bytes  # the unit's params, grads, workspace; the activations
+    # The shards, the unit's params, grads and workspace, the activations.
+    need = rank.startup_bytes + 3 * unit + activation_bytes
     free = available_host_bytes()
     if need > free:
         logger.warning(
-            "dry run: meshes, sharding and optimizer built; the step is skipped because one FSDP unit "
-            "unsharded and one microbatch's activations need about %.1f GiB and this machine has %.1f "
-            "GiB free",
+            "dry run: meshes, sharding and optimizer built (on the meta device); the step is skipped "
+            "because this rank's shards (%.1f GiB), one FSDP unit unsharded and one microbatch's "
+            "activations need about %.1f GiB and this machine has %.1f GiB free",
+            rank.startup_bytes / 2**30,
             need / 2**30,
             free / 2**30,
         )
@@ -49,3 +72,16 @@ def fake_step_fits(rank: RankMemory, tokens_per_rank: int, flops_per_rank: float
         )
         return False
     return True
+
+
+def materialize(model: nn.Module, device: torch.device, optimizers: OptimizersContainer) -> None:
+    """Fill this rank's shards for the dry run's step (built on the meta device: `fake_step_fits`).
+    FSDP's and TP's DTensors keep their objects; a plain parameter is replaced, and the optimizers
+    built on the meta model (no state yet) are pointed at its replacement."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    materialize_sharded(model)
+    model.to(device)
+    now = dict(model.named_parameters())
+    for opt in optimizers.optimizers:
+        for group in opt.param_groups:
+            group["params"] = [now[names[id(p)]] for p in group["params"]]

@@ -163,40 +163,59 @@ class MemoryPlan:
                 f"pp rank {r.rank}: layers {r.layers}, {r.params:,} parameters; {r.state}{self._tp_note()}; "
                 f"in-flight microbatch inputs {flight} (boundary {list(self.boundary or ())}, {self.schedule})"
             )
-            if r.saved_bytes is not None:
-                line += f"; saved activations <= {n} x {size(r.saved_bytes)}"
-                if r.backward_bytes:
-                    line += f" + backward transient {size(r.backward_bytes)}"
-                if r.in_flight is not None:
-                    line += f" = {size(r.activation_bytes)}; total {size(r.steady_bytes)}"
-            lines.append(line)
+            lines.append(line + ("; " + _saved(r) if r.saved_bytes is not None else ""))
         return [*lines, self.startup_line()]
+
+    def activation_lines(self) -> list[str]:
+        """The lines of activations measured after the header (a dry run, memory/dry_run.py): the one
+        stage's, or each pipeline rank's saved activations, and the peaks."""
+        if self.schedule is None:
+            return self.stage_lines()
+        saved = [f"pp rank {r.rank}: {_saved(r)}" for r in self.ranks if r.saved_bytes is not None]
+        return [*saved, self.startup_line()]
 
     def startup_line(self) -> str:
         r = max(self.ranks, key=lambda r: r.startup_bytes)
         return (
             f"start-up peak per rank {size(r.startup_bytes)} (its shards, built on the meta device and "
             f"filled block by block); peak per rank max(start-up, training) {size(self.per_rank_total)}"
+            + (" (activations not included)" if self.acts is None else "")
         )
 
     def _tp_note(self) -> str:
         return f" (before the tp {self.tp} split)" if self.tp > 1 else ""
 
 
-def plan_memory(run: Run) -> MemoryPlan:
+def _saved(r: RankMemory) -> str:
+    """A pipeline rank's activations in flight, its backward transient and its total."""
+    n = "K" if r.in_flight is None else str(r.in_flight)
+    line = f"saved activations <= {n} x {size(r.saved_bytes or 0.0)}"
+    if r.backward_bytes:
+        line += f" + backward transient {size(r.backward_bytes)}"
+    if r.in_flight is not None:
+        line += f" = {size(r.activation_bytes)}; total {size(r.steady_bytes)}"
+    return line
+
+
+def plan_memory(run: Run, measure: bool = True) -> MemoryPlan:
     """Every pipeline rank's `RankMemory` (one without pipeline parallelism) for the run's model, layout
     (`run.stages`: each stage's layer ids, None at pp 1), dtypes and optimizer (Muon's parameters:
     `spec.matrix_params`); its activations measured on one microbatch of `run.tokens_per_rank` tokens
     under activation_checkpoint (in a dry run a model too large to measure whole is measured on narrowed
     copies: minutes of CPU); with model.hf_path (read at start-up unless a dry run), one tensor's slice
     in flight (`startup_peak_bytes`). A function of the run alone: called once, by the ranks that
-    print or check it."""
+    print or check it. `measure` False: the state alone, in a fraction of a second (a dry run prints
+    its header before it measures the activations: memory/dry_run.py)."""
     spec, model_args, dims, stages, precision = run.spec, run.model_args, run.dims, run.stages, run.precision
     schedule, optimizer = run.cfg.parallelism.pipeline_parallel_schedule, run.cfg.optimizer.name
     matrix_params = spec.matrix_params or default_matrix_params
     loads_checkpoint = bool(run.cfg.model.hf_path) and not run.fake
     tokens, ac = run.tokens_per_rank, run.cfg.activation_checkpoint
-    acts = activations.activation_memory(spec, model_args, tokens, precision.compute, ac, narrow_ok=run.fake)
+    acts = (
+        activations.activation_memory(spec, model_args, tokens, precision.compute, ac, run.fake, run.lora)
+        if measure
+        else None
+    )
     with torch.device("meta"):
         full = run.build_model()  # with its LoRA adapters: the frozen base has no grads, no state
     layers = stages if stages is not None else [[int(k) for k in full.layers]]

@@ -28,6 +28,9 @@ def size(n_bytes: float) -> str:
     return f"{n_bytes / 2**30:.2f} GiB" if n_bytes >= 2**30 else f"{n_bytes / 2**20:.1f} MiB"
 
 
+_size = size  # (MemoryEstimate.__str__ has a `size` of its own)
+
+
 def largest_unsharded_unit_bytes(model: nn.Module) -> int:
     """Bytes of the largest FSDP unit's full (unsharded) parameters: what one all-gather of a
     forward or backward materialises on a rank, whatever the fsdp degree (its tp share under TP,
@@ -66,6 +69,13 @@ class MemoryEstimate:
     """Their gathered copy, in the compute dtype (reshard_after_forward is off under PP)."""
     stage_grad_bytes: int = 0
     """Their gradients accumulated unsharded until the step's last backward, in the reduction dtype."""
+    trained_params: int | None = None
+    """Of `params`, those that train (None: all); fewer in a LoRA run, whose frozen base has no
+    gradient and no optimizer state."""
+
+    @property
+    def frozen_params(self) -> int:
+        return 0 if self.trained_params is None else self.params - self.trained_params
 
     @property
     def total_bytes(self) -> int:
@@ -108,6 +118,15 @@ class MemoryEstimate:
             if self.stage_params
             else ""
         )
+        if self.frozen_params:  # LoRA: the base's master copy, the adapters' copy, grads and state
+            base = self.param_bytes * self.frozen_params // self.params
+            return (
+                f"{self.params:,} parameters per rank: frozen base {self.frozen_params:,} (no grads, no "
+                f"optimizer state) + adapters {self.trained_params:,}; estimated memory per rank: base "
+                f"{_size(base)} + adapters {_size(self.param_bytes - base)} + their grads "
+                f"{_size(self.grad_bytes)} + their optimizer state {_size(self.optimizer_bytes)}{stage} = "
+                f"{_size(self.total_bytes)} (activations excluded)"
+            )
         return (
             f"{self.params:,} parameters per rank ({self.per_parameter()}); estimated memory per rank: "
             f"params {size(self.param_bytes)} + grads {size(self.grad_bytes)} + optimizer "
@@ -211,4 +230,5 @@ def estimate_memory_per_rank(
         stage,
         stage * compute.itemsize,
         stage_trained * reduce.itemsize,
+        trained,
     )

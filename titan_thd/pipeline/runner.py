@@ -23,9 +23,9 @@ import torch
 from torch import nn
 
 from titan_thd.components.loss import cross_entropy_sum, loss_context
+from titan_thd.components.progress import Progress
 from titan_thd.data.packed_batch import PackedBatch
 from titan_thd.models.spec import count_params
-from titan_thd.parallel.fsdp import materialize_sharded
 from titan_thd.parallel.tensor_parallel import reduce_replicated_grads
 from titan_thd.pipeline.schedule import PipelineSchedule, StageInput, tied_groups
 from titan_thd.pipeline.split import chunk_views, split_model
@@ -78,16 +78,24 @@ class LocalRunner:
 
 class LazyInputs(Sequence):
     """The StageInputs of microbatches, built when read and not kept: a runner that visits each
-    microbatch once holds the metadata (and the per-microbatch plans cached in it) of one at a time."""
+    microbatch once holds the metadata (and the per-microbatch plans cached in it) of one at a time.
+    `progress` (the first step's, components/progress.py) counts microbatches 0..i-1 done when i is read."""
 
-    def __init__(self, microbatches: Sequence[PackedBatch], prepare: Callable[[PackedBatch], StageInput]):
-        self.microbatches, self.prepare = microbatches, prepare
+    def __init__(
+        self,
+        microbatches: Sequence[PackedBatch],
+        prepare: Callable[[PackedBatch], StageInput],
+        progress: Progress | None = None,
+    ):
+        self.microbatches, self.prepare, self.progress = microbatches, prepare, progress
 
     def __len__(self) -> int:
         return len(self.microbatches)
 
     def __getitem__(self, i):  # type: ignore[override]
         assert isinstance(i, int), "LazyInputs is read one microbatch at a time"
+        while self.progress is not None and self.progress.count < i:  # read again by a later chunk: once
+            self.progress.advance()
         return self.prepare(self.microbatches[i])
 
 
@@ -106,10 +114,10 @@ def build(
 ) -> ModelParts:
     """This rank's part of the meta-device `model` under the run's layout (`run.stages`: each pipeline
     stage's layer ids, None without pipeline parallelism; the pipeline schedule, compile, activation
-    recomputation and dtypes: the run's), allocated on `device` and filled by `init` (None: a
-    fake-process-group dry run's values), with its runner; the stages exchange activations and their
-    gradients in the compute dtype. Every rank must call it (process groups of tied weights are created
-    collectively)."""
+    recomputation and dtypes: the run's), allocated on `device` and filled by `init` (None: left on the
+    meta device, a fake-process-group dry run, which fills it only for a step that fits this machine:
+    memory/dry_run.py), with its runner; the stages exchange activations and their gradients in the
+    compute dtype. Every rank must call it (process groups of tied weights are created collectively)."""
     spec, dims, stages, precision = run.spec, run.dims, run.stages, run.precision
     chunks, tied = [model], ()
     if stages is not None:  # keep this rank's stages only (before sharding them over dp x cp)
@@ -123,10 +131,7 @@ def build(
         ac, on = run.cfg.activation_checkpoint, run.compile.on
         chunks = [spec.parallelize(c, dims, compile=on, ac=ac, precision=precision) for c in chunks]
     # Only now is memory allocated: this rank's shards of its stages, on its device.
-    if init is None:  # a fake-process-group dry run: values only to run the step
-        materialize_sharded(model)
-        model = model.to(device)
-    else:
+    if init is not None:
         model.to_empty(device=device)
         init(model)
     model = model.train()
