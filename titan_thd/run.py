@@ -25,6 +25,7 @@ from titan_thd.data.dataloader import DataLayout
 from titan_thd.data.plan import attention_cost_weight
 from titan_thd.data.rows import RowRule
 from titan_thd.data.tokenizer import Tokenizer
+from titan_thd.lora.resident import Format
 from titan_thd.lora.targets import LoRAPlan, attach, init_adapters
 from titan_thd.models.compile import CompileDecision
 from titan_thd.models.spec import ModelSpec
@@ -73,6 +74,9 @@ class Run:
     """training.compile on this machine for this run (`auto` resolved)."""
     lora: LoRAPlan | None
     """The `[lora]` adapters resolved against the model (lora/targets.py); None = full fine-tuning."""
+    resident: dict[str, Format]
+    """lora.base_dtype = released: {key: how the folder stores it} of the frozen weights kept as
+    released, codes + scales (lora/resident.py); empty otherwise."""
     settings: dict[str, Any]
     """What the run trains, stored in checkpoints and run.json (components/run_settings.py), with the
     frozen base's fingerprint under `lora.base` in a LoRA run: a resume against another base is refused."""

@@ -36,7 +36,8 @@ from titan_thd.config import Config, validate
 from titan_thd.data.rows import row_rule
 from titan_thd.data.stores import check_validation_path
 from titan_thd.data.tokenizer import Tokenizer, build_tokenizer
-from titan_thd.lora.targets import LoRAPlan, resolve_lora
+from titan_thd.lora.resident import Format, resident_plan
+from titan_thd.lora.targets import LoRAPlan, attach, resolve_lora
 from titan_thd.models import get_model_args, get_model_spec, hf
 from titan_thd.models.compile import has_cpp_compiler, resolve_compile
 from titan_thd.models.hf import io as hf_io
@@ -146,6 +147,7 @@ def resolve_run(cfg: Config, world_size: int | None = None) -> Run:
         precision=precision,
         compile=resolve_compile(t.compile, cfg.model.name, payback, t.steps, device.type),
         lora=lora,
+        resident=_resolve_resident(cfg, spec, model_args, lora, fake),
         settings=settings,
     )
 
@@ -158,6 +160,37 @@ def _resolve_lora(cfg: Config, spec: ModelSpec, model_args: Any, label: str) -> 
     with torch.device("meta"):
         model = spec.build(model_args)
     return resolve_lora(c.targets, c.rank, c.alpha, c.rslora, spec.lora, model, label)
+
+
+def _resolve_resident(
+    cfg: Config, spec: ModelSpec, model_args: Any, lora: LoRAPlan | None, fake: bool
+) -> dict[str, Format]:
+    """lora.base_dtype = released: the frozen weights the folder stores block-quantised (headers only),
+    or, on a fake-process-group dry run without a folder, those the family's release stores so."""
+    if cfg.lora.base_dtype != "released":
+        return {}
+    assert lora is not None  # config/checks.py refused released without lora.enable
+    with torch.device("meta"):
+        model = spec.build(model_args)
+        attach(model, lora)
+    frozen = {k: tuple(p.shape) for k, p in model.named_parameters() if not p.requires_grad}
+    path, released = cfg.model.hf_path, spec.hf.released if spec.hf is not None else None
+    if path:
+        plan = resident_plan(hf.folder_sources(spec, model_args, path)[1], set(frozen))
+        if not plan:
+            raise ValueError(
+                f"lora.base_dtype = 'released': model.hf_path = {path!r} stores no block-quantised weight "
+                "(FP8 e4m3 or packed FP4 with a scale grid), so nothing stays as released; use "
+                "lora.base_dtype = 'master'"
+            )
+        return plan
+    if fake and released is not None:
+        return {k: f for k, shape in frozen.items() if (f := released(k, shape)) is not None}
+    raise ValueError(
+        "lora.base_dtype = 'released' needs model.hf_path, the release-format folder the frozen base is "
+        f"read from as stored (a COMM_MODE=fake dry run plans model {cfg.model.name}'s published format "
+        "without one)"
+    )
 
 
 def _resolve_model(cfg: Config) -> tuple[ModelSpec, str, str, Tokenizer, Any]:

@@ -63,6 +63,12 @@ def validate(cfg: Config) -> None:
                 "optimizer.name = muon with lora.enable = true: adapters train with AdamW (Muon "
                 "orthogonalises whole matrices, not a rank-r factor); set optimizer.name = adamw"
             )
+    if cfg.lora.base_dtype == "released" and not cfg.lora.enable:
+        raise ValueError(
+            "lora.base_dtype = 'released' without lora.enable = true: only a frozen base can stay as "
+            "released (full fine-tuning updates every weight in the master dtype); set lora.enable = true "
+            "or lora.base_dtype = 'master'"
+        )
     if not 1 <= cfg.optimizer.muon_ns_steps < 100:
         raise ValueError(f"optimizer.muon_ns_steps: got {cfg.optimizer.muon_ns_steps}, expected 1..99")
     if cfg.checkpoint.load_step < -1:

@@ -17,6 +17,9 @@ W's output rows splits B's rows, a split of W's input columns splits A's columns
 is whole on every rank; expert parallelism splits every [E, ...] adapter with its experts. One
 adapter per expert: the result never depends on the expert-parallel degree.
 
+A frozen base kept as released (`lora.base_dtype = "released"`) is a `resident.Resident` in W's
+place, dequantised per use by `Linear.forward` / `linear_local` (lora/resident.py).
+
 A layer applies its adapter with `Linear.forward` (a module call, plain or DTensor operands) or
 `linear_local` (this rank's shards inside a tensor-parallel partial-sum region); the routed experts
 with `expert_delta` inside their grouped product: x A^T, times (s B)^T, added in place to the base's
@@ -34,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from titan_thd.lora import resident
 from titan_thd.ops.grouped_linear import grouped_linear
 from titan_thd.parallel.tensor_parallel import local
 
@@ -48,7 +52,8 @@ class Linear(nn.Linear):
     """`nn.Linear` (no bias) that adds its low-rank adapter when one is attached (`attach`)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        w = self.weight
+        y = resident.base_linear(x, w) if isinstance(w, resident.Resident) else F.linear(x, w, self.bias)
         A = self._parameters.get("lora_A")
         if A is None:
             return y
@@ -58,7 +63,7 @@ class Linear(nn.Linear):
 def linear_local(x: torch.Tensor, m: nn.Linear) -> torch.Tensor:
     """x times this rank's shard of `m.weight` (`local`), plus the adapter's share: inside a
     tensor-parallel region the shards of A and B follow W's, so the output is the same partial sum."""
-    y = F.linear(x, local(m.weight))
+    y = resident.base_linear(x, m.weight)
     A = m._parameters.get("lora_A")
     if A is None:
         return y

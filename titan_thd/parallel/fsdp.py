@@ -25,6 +25,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from titan_thd.parallel.parallel_dims import ParallelDims
+from titan_thd.parallel.shards import UNSHARDED
 
 
 class Precision(Protocol):
@@ -77,6 +78,9 @@ def apply_fsdp(
     else:
         master_dtype_units = ()
 
+    # A LoRA run's base kept as released stays out (lora/resident.py: replicated, never gathered).
+    ignored = {getattr(m, n) for m in model.modules() for n in getattr(m, UNSHARDED, ())}
+
     def shard(unit: nn.Module, mesh: DeviceMesh, mp: MixedPrecisionPolicy, placement=None) -> None:
         fully_shard(
             unit,
@@ -84,6 +88,7 @@ def apply_fsdp(
             mp_policy=mp,
             reshard_after_forward=reshard_after_forward,
             shard_placement_fn=placement,
+            ignored_params=ignored or None,
         )
 
     for unit, mesh, dim in other_units:

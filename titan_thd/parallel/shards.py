@@ -16,6 +16,10 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+UNSHARDED = "fsdp_unsharded_params"
+"""Attribute of a module: names of its parameters that FSDP leaves alone (a LoRA run's base kept as
+released: lora/resident.py swaps them for their codes after the model is sharded)."""
+
 WRAPPER_NAMES = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module")
 """Module names torch inserts into a parameter's name: activation checkpointing, torch.compile, FSDP1."""
 

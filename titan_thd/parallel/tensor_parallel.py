@@ -166,7 +166,8 @@ def collect_replicated_grads(model: nn.Module, group: dist.ProcessGroup) -> None
     names, unplaced = [], []
     for name, p in model.named_parameters():
         if getattr(p, _PARTIAL, False):
-            names.append(name)
+            if p.requires_grad:  # a frozen base has no gradient to sum (LoRA)
+                names.append(name)
         elif not isinstance(p, DTensor) and not getattr(p, _FULL, False):
             unplaced.append(name)
     assert not unplaced, f"the TP plan does not place {unplaced}"

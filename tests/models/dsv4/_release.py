@@ -43,7 +43,7 @@ def quantize_fp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return packed, scale
 
 
-def release_config(args, *, layout46: bool = False) -> dict:
+def release_config(args, *, layout46: bool = False, block: tuple[int, int] = (128, 128)) -> dict:
     """config.json in DeepSeek's spelling: compress_ratios (+ the MTP entry; -0731: two more and the
     dspark keys) instead of transformers' layer_types, and the release's quantization_config."""
     cfg = hf_config_from_args(args)
@@ -54,7 +54,7 @@ def release_config(args, *, layout46: bool = False) -> dict:
     cfg["quantization_config"] = {
         "quant_method": "fp8",
         "fmt": "e4m3",
-        "weight_block_size": [128, 128],
+        "weight_block_size": list(block),
         "scale_fmt": "ue8m0",
     }
     if layout46:
@@ -75,9 +75,11 @@ def write_release(
     max_shard_size: int = 200_000,
     layout46: bool = False,
     extras: bool = False,
+    block: tuple[int, int] = (128, 128),
 ) -> Path:
     """Write `model` (float32) to `out` in the release's format; `extras`: also a second MTP layer's
-    and a draft head's tensors (what -0731 ships and the model has no place for)."""
+    and a draft head's tensors (what -0731 ships and the model has no place for); `block`: the FP8
+    scale blocks (the release's 128 x 128; smaller ones let a tiny model's cuts fall on blocks)."""
     out.mkdir(parents=True)
     writer = ShardedWriter(out, max_shard_size)
     state = to_reference({k: v.float() for k, v in model.state_dict().items()})
@@ -93,10 +95,10 @@ def write_release(
             writer.add(key, packed)
             writer.add(key.removesuffix("weight") + "scale", scale)
         else:
-            codes, grid = quantize_fp8(w)
+            codes, grid = quantize_fp8(w, *block)
             writer.add(key, codes)
             writer.add(key.removesuffix("weight") + "scale", grid)
     files = writer.close()
     assert len(files) > 2, files
-    (out / "config.json").write_text(json.dumps(release_config(args, layout46=layout46)))
+    (out / "config.json").write_text(json.dumps(release_config(args, layout46=layout46, block=block)))
     return out

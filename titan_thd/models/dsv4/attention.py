@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from titan_thd.lora.layers import Linear, grouped_delta, linear_local
+from titan_thd.lora.resident import base_groups
 from titan_thd.models.dsv4.args import DSv4Args
 from titan_thd.models.dsv4.compressor import Compressor
 from titan_thd.models.dsv4.context_parallel import gather_entries, with_left_halo
@@ -141,15 +142,14 @@ class Attention(nn.Module):
         """One softmax of every query over its band and listed key rows and its sink, then the
         output projection; (output [T, d], lse [T, H]). The cached decoder (decode.py) attends its
         one-row steps through it too (band None, every key row listed)."""
-        (T, H, D), wo_a = q_THD.shape, local(self.wo_a.weight)
+        (T, _, D), wo_a = q_THD.shape, self.wo_a.weight
         G = wo_a.shape[0] // self.o_lora_rank  # this rank's groups: its H heads, whole groups
         o_THD, lse_TH = sparse_mqa(
             q_THD, kv_SD, idx_TK, local(self.attn_sink), D**-0.5, self.chunk, band=band
         )
         o_THD = apply_rope(o_THD, *rope_q, inverse=True)
-        wo_a_GOI = wo_a.view(G, -1, H * D // G)
         o_TGI = o_THD.reshape(T, G, -1)
-        o_TGO = torch.einsum("tgi,goi->tgo", o_TGI, wo_a_GOI)
+        o_TGO = base_groups(o_TGI, wo_a)
         if (delta_TGO := grouped_delta(o_TGI, self.wo_a)) is not None:  # a LoRA adapter (lora/)
             o_TGO = o_TGO.add_(delta_TGO)
         return linear_local(o_TGO.flatten(1), self.wo_b), lse_TH

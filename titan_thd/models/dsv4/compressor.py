@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from titan_thd.lora.layers import Linear
 from titan_thd.models.dsv4.norm import RMSNorm
 from titan_thd.models.dsv4.plans import CompressPlan
 from titan_thd.models.dsv4.rope import apply_rope
@@ -29,8 +30,8 @@ class Compressor(nn.Module):
         super().__init__()
         self.head_dim, self.ratio, self.overlap = head_dim, ratio, overlap
         width = (2 if overlap else 1) * head_dim
-        self.wkv = nn.Linear(dim, width, bias=False)
-        self.wgate = nn.Linear(dim, width, bias=False)
+        self.wkv = Linear(dim, width, bias=False)
+        self.wgate = Linear(dim, width, bias=False)
         self.ape = nn.Parameter(torch.zeros(ratio, width))
         """Learned position bias of each slot of a window (added to the gate logits)."""
         self.norm = RMSNorm(head_dim, eps)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from titan_thd.lora.resident import Format
 from titan_thd.models.dsv4.args import DSv4Args
 from titan_thd.models.dsv4.hf_config import args_from_hf_config, hf_config_from_args
 from titan_thd.models.dsv4.hf_dequant import check_quantization_config, quantized_sources
@@ -77,6 +78,17 @@ def config_from_args(args: DSv4Args, dtype: torch.dtype, token_ids: dict | None,
     return hf_config_from_args(args, dtype, token_ids)
 
 
+def released(key: str, shape: tuple[int, ...]) -> Format | None:
+    """How DeepSeek's V4 release stores our tensor `key` (docs/dsv4.md §17): routed experts packed FP4
+    with 1 x 32 e8m0 scales, every other matrix FP8 e4m3 with 128 x 128 ue8m0 scales but the
+    embedding, the head and the routers (float)."""
+    if ".ffn.experts.w" in key and len(shape) == 3:
+        return Format("fp4", (1, 32), 1)
+    if len(shape) == 2 and key.endswith(".weight") and key not in ("embed.weight", "head.weight"):
+        return None if key.endswith(".ffn.gate.weight") else Format("fp8", (128, 128), 1)
+    return None
+
+
 HF = HFAdapter(
     to_hf=reference_items,
     sources=dsv4_sources,
@@ -86,4 +98,5 @@ HF = HFAdapter(
     hf_module=hf_module,
     optional=("mtp",),
     skip_unplaced=True,
+    released=released,
 )

@@ -131,6 +131,24 @@ class Quantized(Source):
         grid = (*lead, slice(rs.start // bm, -(-rs.stop // bm)), slice(cs.start // bn, -(-cs.stop // bn)))
         return values * _expand(folder.read(self.scale, grid), bm, bn, rs.start, cs.start, rows, cols)
 
+    def read_codes(
+        self, folder: SafetensorsFolder, box: tuple[slice, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the stored codes of a box as bytes, the scale blocks covering it as stored: e8m0 as its
+        exponent byte), for a box that starts and ends on blocks (lora/resident.py checks it): the
+        resident base of a LoRA run, never dequantised here."""
+        (*lead, rs, cs), (bm, bn) = box, self.block
+        grid = (*lead, slice(rs.start // bm, -(-rs.stop // bm)), slice(cs.start // bn, -(-cs.stop // bn)))
+        if self.packed:
+            assert cs.start % 2 == 0 and (cs.stop % 2 == 0 or cs.stop == self.shape[-1]), (self.origin, box)
+            codes = folder.read(self.weight, (*lead, rs, slice(cs.start // 2, -(-cs.stop // 2))))
+        else:
+            codes = folder.read(self.weight, box)
+        scale = folder.read(self.scale, grid)
+        if scale.dtype == torch.float8_e8m0fnu:
+            scale = scale.view(torch.uint8)
+        return codes.view(torch.uint8), scale
+
 
 def quantized_sources(
     stored: dict[str, Stored], block: tuple[int, int] | None

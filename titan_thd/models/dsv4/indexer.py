@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from titan_thd.lora.layers import Linear
 from titan_thd.models.dsv4.args import DSv4Args
 from titan_thd.models.dsv4.compressor import Compressor
 from titan_thd.models.dsv4.context_parallel import gather_entries
@@ -35,8 +36,8 @@ class Indexer(nn.Module):
     def __init__(self, args: DSv4Args):
         super().__init__()
         self.n_heads, self.head_dim, self.topk = args.index_n_heads, args.index_head_dim, args.index_topk
-        self.wq_b = nn.Linear(args.q_lora_rank, self.n_heads * self.head_dim, bias=False)
-        self.weights_proj = nn.Linear(args.dim, self.n_heads, bias=False)
+        self.wq_b = Linear(args.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.weights_proj = Linear(args.dim, self.n_heads, bias=False)
         self.compressor = Compressor(args.dim, self.head_dim, args.csa_ratio, overlap=True, eps=args.norm_eps)
         self.chunk = args.attn_chunk
 

@@ -27,11 +27,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from titan_thd.lora.layers import ExpertAdapters, Linear, expert_adapters, expert_delta, linear_local
+from titan_thd.lora.resident import base_grouped
 from titan_thd.models.dsv4.args import DSv4Args
 from titan_thd.ops.grouped_linear import grouped_linear
 from titan_thd.parallel.expert_parallel import dispatch_combine
 from titan_thd.parallel.recompute import decided_once, in_recompute
-from titan_thd.parallel.tensor_parallel import local
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -75,13 +75,13 @@ def grouped_experts(
     assert len(counts) == w1_EFD.shape[0] and sum(counts) == x_ND.shape[0], (counts, x_ND.shape)
     if x_ND.shape[0] == 0:  # nothing routed here: an empty result still in the graph (collectives)
         return x_ND * 0
-    gate, up = grouped_linear(x_ND, counts, w1_EFD), grouped_linear(x_ND, counts, w3_EFD)
+    gate, up = base_grouped(x_ND, counts, w1_EFD), base_grouped(x_ND, counts, w3_EFD)
     if lora is not None and lora.A13_ERD is not None:  # w1 and w3 share A (PEFT's fused gate_up_proj)
         xa_NR = grouped_linear(x_ND, counts, lora.A13_ERD)
         gate = gate.add_(grouped_linear(xa_NR, counts, lora.B1_EFR * lora.scaling))
         up = up.add_(grouped_linear(xa_NR, counts, lora.B3_EFR * lora.scaling))
     h_NF = act(gate, up, limit)
-    out = grouped_linear(h_NF, counts, w2_EDF)
+    out = base_grouped(h_NF, counts, w2_EDF)
     if lora is not None and lora.A2_ERF is not None:
         out = out.add_(expert_delta(h_NF, counts, lora.A2_ERF, lora.B2_EDR, lora.scaling))
     return out
@@ -122,9 +122,11 @@ class Experts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(n_experts, hidden, dim))
 
     def forward(self, x_ND: torch.Tensor, counts: list[int], limit: float) -> torch.Tensor:
-        # local(): this rank's experts (EP, Shard(0)) or hidden columns (TP, a partial output).
-        w1, w2, w3 = local(self.w1), local(self.w2), local(self.w3)
-        return grouped_experts(x_ND, counts, w1, w2, w3, limit, self.act, expert_adapters(self))
+        # This rank's experts (EP, Shard(0)) or hidden columns (TP, a partial output): `base_grouped`
+        # reads the local shard of each stack, or its resident codes (lora/resident.py).
+        return grouped_experts(
+            x_ND, counts, self.w1, self.w2, self.w3, limit, self.act, expert_adapters(self)
+        )
 
 
 class Gate(nn.Module):

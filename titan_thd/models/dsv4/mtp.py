@@ -13,9 +13,9 @@ label is trained.
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from titan_thd.data.packed_batch import IGNORE_INDEX
+from titan_thd.lora.layers import Linear
 from titan_thd.models.dsv4.args import DSv4Args
 from titan_thd.models.dsv4.block import Block
 from titan_thd.models.dsv4.mhc import HyperHead
@@ -28,8 +28,8 @@ class MTPBlock(Block):
         super().__init__(args, "sliding", hash_routed=False)
         self.enorm = RMSNorm(args.dim, args.norm_eps)
         self.hnorm = RMSNorm(args.dim, args.norm_eps)
-        self.e_proj = nn.Linear(args.dim, args.dim, bias=False)
-        self.h_proj = nn.Linear(args.dim, args.dim, bias=False)
+        self.e_proj = Linear(args.dim, args.dim, bias=False)
+        self.h_proj = Linear(args.dim, args.dim, bias=False)
         self.hc_head = HyperHead(args.hc_mult, args.dim, args.hc_eps, args.norm_eps)
         self.norm = RMSNorm(args.dim, args.norm_eps)
 

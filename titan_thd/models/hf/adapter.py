@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from titan_thd.lora.resident import Format
 from titan_thd.models.hf.io import Plain, SafetensorsFolder, Source
 
 Rules = Sequence[tuple[str, str]]
@@ -106,6 +107,10 @@ class HFAdapter:
     """True: stored tensors of modules the model does not have (layers past num_hidden_layers, a
     second MTP layer, a draft head) are skipped with one warning; False: they are unexpected
     tensors (an error)."""
+    released: Callable[[str, tuple[int, ...]], Format | None] | None = None
+    """(our key, global shape) -> how the family's published release stores that tensor (None: as a
+    plain tensor), for a LoRA run whose base stays as released (lora/resident.py): a dry run plans it
+    without the folder. None: the family publishes no block-quantised release."""
     initialises: bool = True
     """Whether `model.hf_path` may initialise a training run from such a folder (False: the load
     serves `load` and scripts/convert_hf.py only, and model.hf_path is refused)."""

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from titan_thd.config.jsonfile import read_json_object
+from titan_thd.lora import resident
 from titan_thd.models.hf.adapter import HFAdapter
 from titan_thd.models.hf.io import LoadStats, SafetensorsFolder, Source, check_fits, load_sources
 
@@ -171,7 +172,10 @@ def load_into(spec: ModelSpec, model: nn.Module, path: str | Path) -> LoadStats:
     (ValueError naming the differing fields, or the file and tensor that do not fit, before anything
     is written). Returns what this rank read."""
     folder, sources = folder_sources(spec, model.args, path)
+    # A LoRA run's base kept as released: its codes and scales as stored (lora/resident.py).
+    codes_read = resident.load_resident(model, sources, folder)
     stats = load_sources(model, sources, folder)
+    stats = replace(stats, bytes_read=stats.bytes_read + codes_read)
     logger.info(
         "%s: loaded %d tensors, read %.1f of the folder's %.1f MB",
         path,
