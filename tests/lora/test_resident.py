@@ -31,6 +31,7 @@ import torch
 from tests.lora.test_lora_layouts import COMMON, EP, LORA, _check_adapters, _merge, _runs, train
 from tests.models.dsv4._release import write_release
 from tests.test_train_compose import PP2, TP2, _compare, _spawn, config
+from tests.test_train_layouts import records
 from titan_thd.lora import resident
 from titan_thd.lora.resident import Format, Resident
 from titan_thd.models import get_model_spec
@@ -240,3 +241,21 @@ def test_a_cut_inside_a_scale_block_is_refused_with_the_degrees_that_serve_it():
     resident.check_box("e", fp4, (4, 64, 96), (slice(0, 2), slice(0, 64), slice(32, 64)), "ep 2, tp 3")
     with pytest.raises(ValueError, match=r"columns \[0, 48\) of 96 .* 1 x 32; .*\[1, 3\]"):
         resident.check_box("e", fp4, (4, 64, 96), (slice(0, 2), slice(0, 64), slice(0, 48)), "tp 2")
+
+
+def test_mixed_bf16_on_the_resident_base_equals_the_dequantised_base(folder, tmp_path):
+    """bf16 compute on float32 masters (FSDP2's casting on one rank, which leaves the resident base
+    out): the dequantised values are bfloat16 numbers either way, so the runs agree to the bf16
+    products' summation order (bitwise on the machines tried; the bound leaves room for another)."""
+    mixed = ["--training.dtype", "float32", "--training.mixed_precision_param", "bfloat16"]
+    runs = {}
+    for base in ("master", "released"):
+        got = _lora(tmp_path / base, folder, *mixed, "--lora.base_dtype", base)
+        assert (got["resident"] > 0) == (base == "released"), base
+        runs[base] = records(tmp_path / base)
+    assert len(runs["master"]) == STEPS
+    for a, b in zip(runs["master"], runs["released"], strict=True):
+        keys = ("loss", "grad_norm", "aux/mtp", "aux/indexer")
+        print(f"mixed step {a['step']}: " + ", ".join(f"{k} rel {abs(b[k] / a[k] - 1):.1e}" for k in keys))
+        for key in keys:
+            assert b[key] == pytest.approx(a[key], rel=1e-3), (a["step"], key, a[key], b[key])
