@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Check a machine before a long job: both recipes for a few steps on the GPU (float32 and mixed bf16)
 # against the CPU, Transformer Engine attention, tokens/s, MFU and peak memory against the estimate,
-# one DeepSeek-V4-Flash-width layer of each type, generation on the GPU against the CPU. One table on
+# one DeepSeek-V4-Flash-width layer of each type, generation on the GPU against the CPU, a LoRA base kept
+# as released (FP8 / FP4, dequantised per use) against the CPU. One table on
 # stdout, the same rows in a JSON file; exit code 1 when a step fails (titan_thd/check/__init__.py).
 #
 #   ./scripts/check_gpu.sh [--out check_gpu.json] [--device cpu|cuda|cuda:N] [--only 1] [-v]

@@ -18,6 +18,7 @@ STEPS = [
     "3 llama speed+memory", "3 dsv4 speed+memory",
     "4 flash sliding layer", "4 flash csa layer", "4 flash hca layer",
     "5 llama generation", "5 dsv4 generation",
+    "6 resident base",
 ]  # fmt: skip
 NEEDS_CUDA = {"2 llama TE attention"}
 

@@ -13,7 +13,9 @@ and the check goes on):
    estimate (recipes.py);
 4. one DeepSeek-V4-Flash-width layer of each type (sliding, CSA, HCA) forward + backward, time and
    memory against the activation estimate per layer (layers.py);
-5. greedy generation with the cache on the device equal to the CPU's tokens (generation.py).
+5. greedy generation with the cache on the device equal to the CPU's tokens (generation.py);
+6. a LoRA base kept as released (FP8 blocks, packed FP4 experts) dequantised per use on the device
+   equal to the CPU path in float64, and what per-use dequantisation costs (resident.py).
 On a machine without CUDA (or with `--device cpu`) the same steps run at CPU scale; those that need CUDA
 say SKIP. One table at the end, and the same rows in the JSON file of `--out`.
 """

@@ -73,9 +73,11 @@ def table(rows: list[Row]) -> str:
 
 
 def steps() -> list[Step]:
-    from titan_thd.check import generation, layers, recipes
+    from titan_thd.check import generation, layers, recipes, resident
 
-    return sorted([*recipes.STEPS, *layers.STEPS, *generation.STEPS], key=lambda s: s.name.split()[0])
+    return sorted(
+        [*recipes.STEPS, *layers.STEPS, *generation.STEPS, *resident.STEPS], key=lambda s: s.name.split()[0]
+    )
 
 
 def machine(device: torch.device) -> dict:

@@ -134,17 +134,32 @@ class Resident:
         assert self.codes is not None, f"{self.key}: the resident base was not loaded"
         codes = self.codes if expert is None else self.codes[expert]
         scale = self.scale if expert is None else self.scale[expert]
-        if self.fmt.kind == "fp4":
-            lut = torch.tensor(_E2M1, dtype=dtype, device=codes.device)
-            u8 = codes.view(torch.uint8)
-            values = torch.stack([lut[(u8 & 0xF).long()], lut[(u8 >> 4).long()]], dim=-1).flatten(-2)
+        if self.fmt.kind == "fp4":  # each byte -> its two values (a 256-row table: one lookup per byte)
+            values = F.embedding(codes.view(torch.uint8).int(), _fp4_pairs(dtype, codes.device)).flatten(-2)
         else:
             values = codes.view(torch.float8_e4m3fn).to(dtype)
-        rows, cols = values.shape[-2:]
-        bm, bn = self.fmt.block
-        s = scale_values(scale).to(dtype)
-        s = s.repeat_interleave(bm, dim=-2)[..., :rows, :].repeat_interleave(bn, dim=-1)[..., :cols]
-        return values[..., :cols] * s
+        return _scaled(values, scale_values(scale).to(dtype), self.fmt.block)
+
+
+_PAIRS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _fp4_pairs(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[256, 2]: the two e2m1 values of each byte, low nibble first."""
+    key = (dtype, device)
+    if key not in _PAIRS:
+        lut, byte = torch.tensor(_E2M1, dtype=dtype), torch.arange(256)
+        _PAIRS[key] = torch.stack([lut[byte & 0xF], lut[byte >> 4]], dim=-1).to(device)
+    return _PAIRS[key]
+
+
+def _scaled(values: torch.Tensor, s: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """values [.., rows, cols] times the scale of each one's block (grid `s`, edge blocks partial)."""
+    (*lead, rows, cols), (bm, bn), (gr, gc) = values.shape, block, s.shape[-2:]
+    if rows == gr * bm and cols == gc * bn:  # whole blocks: broadcast, no expanded copy of the grid
+        return (values.view(*lead, gr, bm, gc, bn) * s.view(*lead, gr, 1, gc, 1)).view(values.shape)
+    s = s.repeat_interleave(bm, dim=-2)[..., :rows, :].repeat_interleave(bn, dim=-1)[..., :cols]
+    return values * s
 
 
 def scale_values(scale: torch.Tensor) -> torch.Tensor:
