@@ -14,6 +14,7 @@ suffix match: dsv4's indexer has a `wq_b` too, and `attn.wq_b` is not `attn.inde
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -21,6 +22,7 @@ import torch
 from torch import nn
 
 from titan_thd.lora.layers import PAIRS, SCALING, scaling
+from titan_thd.lora.resident import residents
 from titan_thd.parallel.seeded_init import init_tensor
 from titan_thd.parallel.shards import canonical_name
 
@@ -70,11 +72,14 @@ class LoRAPlan:
     def describe(self, model: nn.Module) -> str:
         """The header's line: the adapters and what trains of this rank's shards."""
         trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        total = sum(p.numel() for p in model.parameters())
+        # a base kept as released is no parameter (lora/resident.py): its values count too
+        kept = sum(math.prod(r.shape) for r in residents(model).values())
+        total = sum(p.numel() for p in model.parameters()) + kept
         s = f"alpha / sqrt(r) = {self.scaling:g}" if self.rslora else f"alpha / r = {self.scaling:g}"
+        released = f" ({kept:,} of its values kept as released, FP8 / FP4 codes)" if kept else ""
         return (
             f"lora: rank {self.rank}, {s}, targets {', '.join(self.targets)}; {trained:,} adapter parameters "
-            f"train ({100 * trained / max(1, total):.2f}% of {total:,} here), the base is frozen"
+            f"train ({100 * trained / max(1, total):.2f}% of {total:,} here), the base is frozen{released}"
         )
 
 
