@@ -27,7 +27,9 @@ template) and generation_config.json, so `generate` stops at the end of an assis
 (titan_thd/models/hf/write.py) into safetensors files of at most `--max-shard-size` bytes (default
 5GB, as transformers), `model.safetensors` alone or `model-0000K-of-0000N.safetensors` with
 `model.safetensors.index.json`; peak memory is about 1.25 files plus the largest tensor plus the
-process (docs/dsv4.md §17.3).
+process (docs/dsv4.md §17.3). `to-dcp` never builds the model either: DCP plans the checkpoint from a
+meta-device model and reads each tensor from the folder when it writes it (titan_thd/models/hf/to_dcp.py:
+the peak is one tensor plus the process).
 
 A LoRA run's checkpoint holds its adapters only (titan_thd/inference/lora_export.py, docs/lora.md §4):
 both exports check that it was trained with the config's lora.* and on the config's base (the
@@ -87,6 +89,7 @@ from titan_thd.inference.lora_export import (
     write_peft_streamed,
 )
 from titan_thd.models import MODEL_NAMES, get_model_spec, hf
+from titan_thd.models.hf.to_dcp import save_dcp
 from titan_thd.models.hf.write import DEFAULT_MAX_SHARD_SIZE, DcpSource, parse_size
 from titan_thd.parallel.fsdp import build_on_meta
 from titan_thd.startup import resolve_run
@@ -116,14 +119,10 @@ def to_dcp(hf_dir: Path, out: Path, flavor: str | None) -> None:
         hf.check(spec, spec.flavors[flavor], str(hf_dir), f"flavor {flavor!r}")
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"{out} exists and is not empty")
-    model = spec.build(args)  # initialised: what the folder lacks (transformers writes no MTP) keeps it
-    hf.load_into(spec, model, str(hf_dir))
-    out.mkdir(parents=True, exist_ok=True)
-    with warnings.catch_warnings():  # DCP warns that no process group exists: one writer is intended
-        warnings.simplefilter("ignore")
-        dcp.save({"model": model.state_dict()}, storage_writer=dcp.FileSystemWriter(out))
+    # One tensor at a time; what the folder lacks (transformers writes no MTP) is drawn from a seed.
+    n = save_dcp(spec, args, hf_dir, out, seed=int(torch.randint(2**62, ())))
     shutil.copy(hf_dir / "config.json", out / "config.json")
-    print(f"wrote {out}: {len(model.state_dict())} model tensors, args {spec.hf.architecture(args)}")
+    print(f"wrote {out}: {n} model tensors, args {spec.hf.architecture(args)}")
 
 
 def _progress(line: str) -> None:

@@ -191,6 +191,7 @@ def test_bad_configs_are_rejected(hf_dir):
         args_from_hf_config({**cfg, "num_key_value_heads": 2})
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is unavailable")
 def test_convert_hf_dcp_round_trip(hf_dir, ours, tmp_path):
     import importlib.util
     from pathlib import Path
@@ -225,6 +226,16 @@ def test_convert_hf_dcp_round_trip(hf_dir, ours, tmp_path):
     for (k, a), (k2, b) in zip(model.state_dict().items(), back.state_dict().items()):
         if not k.startswith("mtp."):  # the source has no MTP weights: those are freshly initialised
             assert k == k2 and torch.equal(a, b), k
+    # to-dcp drew what the folder lacks by the model's init rules (norms 1, matrices N(0, init_std))
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    drawn = _load_state_dict_from_keys(
+        keys={"model.mtp.0.norm.weight", "model.mtp.0.e_proj.weight"},
+        storage_reader=FileSystemReader(tmp_path / "dcp"),
+    )["model"]
+    assert torch.equal(drawn["mtp.0.norm.weight"], torch.ones_like(drawn["mtp.0.norm.weight"]))
+    assert abs(drawn["mtp.0.e_proj.weight"].std().item() / model.args.init_std - 1) < 0.1
     assert convert.main(["to-hf", str(tmp_path / "dcp"), str(tmp_path / "x"), "--flavor", "micro"]) == 1
 
 
