@@ -44,7 +44,8 @@ RESIDENT = UNSHARDED
 """Attribute of a module: the names of its parameters that `swap` turns into `Resident`s (FSDP leaves
 them out: parallel/fsdp.py reads it, since the swap comes after the model is sharded)."""
 
-_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+"""The 16 FP4 e2m1 codes: bit 3 is the sign, bits 0-2 index 0, 0.5, 1, 1.5, 2, 3, 4, 6."""
 
 
 @dataclass(frozen=True)
@@ -148,7 +149,7 @@ def _fp4_pairs(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """[256, 2]: the two e2m1 values of each byte, low nibble first."""
     key = (dtype, device)
     if key not in _PAIRS:
-        lut, byte = torch.tensor(_E2M1, dtype=dtype), torch.arange(256)
+        lut, byte = torch.tensor(E2M1, dtype=dtype), torch.arange(256)
         _PAIRS[key] = torch.stack([lut[byte & 0xF], lut[byte >> 4]], dim=-1).to(device)
     return _PAIRS[key]
 

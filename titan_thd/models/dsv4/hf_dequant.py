@@ -19,10 +19,9 @@ from __future__ import annotations
 
 import torch
 
+from titan_thd.lora.resident import E2M1
 from titan_thd.models.hf.io import SafetensorsFolder, Source, Stored
 
-_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-"""The 16 FP4 e2m1 codes: bit 3 is the sign, bits 0-2 index 0, 0.5, 1, 1.5, 2, 3, 4, 6."""
 _PACKED = (torch.int8, torch.uint8)
 # Scales of schemes that are not DeepSeek's (NVFP4, static activation quantisation): refused by name.
 _FOREIGN_SUFFIXES = (".weight_scale_2", ".input_scale", ".activation_scale", ".weight_scale")
@@ -65,7 +64,7 @@ def _scale_key(state: dict[str, torch.Tensor], key: str) -> str | None:
 
 
 def _unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
-    lut = torch.tensor(_E2M1, dtype=torch.float32)
+    lut = torch.tensor(E2M1, dtype=torch.float32)
     u8 = packed.contiguous().view(torch.uint8)
     pairs = torch.stack([lut[(u8 & 0xF).long()], lut[(u8 >> 4).long()]], dim=-1)  # low nibble first
     return pairs.reshape(*packed.shape[:-1], 2 * packed.shape[-1])
