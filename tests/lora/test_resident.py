@@ -16,7 +16,7 @@ unit tests and refused on a cut that splits them).
 - Through the Trainer (tests/lora/test_lora_layouts.py's LoRA recipe, every target group, float64):
   LoRA on the resident base equals LoRA on the base dequantised to float64 on one process (losses,
   gradient norms, MTP / indexer terms rel <= 1e-12 per step, adapters <= 1e-10), on one process and on
-  FSDP 2, TP 2, PP 2, EP 2 x FSDP 2 and TP 2 x EP 2 (4 ranks).
+  FSDP 2, TP 2, PP 2, CP 2, EP 2 x FSDP 2 and TP 2 x EP 2 (4 ranks).
 - Bad input is one line: released without LoRA, without a folder, a folder with no quantised weight,
   a cut that splits a scale block (the tensor, the block and the degrees that serve it).
 """
@@ -30,7 +30,7 @@ import torch
 
 from tests.lora.test_lora_layouts import COMMON, EP, LORA, _check_adapters, _merge, _runs, train
 from tests.models.dsv4._release import write_release
-from tests.test_train_compose import PP2, TP2, _compare, _spawn, config
+from tests.test_train_compose import CP2, PP2, TP2, _compare, _spawn, config
 from tests.test_train_layouts import records
 from titan_thd.lora import resident
 from titan_thd.lora.resident import Format, Resident
@@ -186,6 +186,7 @@ def _layouts(folder: Path) -> dict[int, dict]:
             "resident-fsdp2": ("dsv4", 2, base, STEPS),
             "resident-tp2": ("dsv4", 2, [*TP2, *base], STEPS),
             "resident-pp2": ("dsv4", 2, [*PP2, *base], STEPS),
+            "resident-cp2": ("dsv4", 2, [*CP2, *base], STEPS),
         },
         4: {
             "resident-ep2-fsdp2": ("dsv4", 4, [EP, "2", *base], STEPS),
