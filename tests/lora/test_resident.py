@@ -260,3 +260,19 @@ def test_mixed_bf16_on_the_resident_base_equals_the_dequantised_base(folder, tmp
         print(f"mixed step {a['step']}: " + ", ".join(f"{k} rel {abs(b[k] / a[k] - 1):.1e}" for k in keys))
         for key in keys:
             assert b[key] == pytest.approx(a[key], rel=1e-3), (a["step"], key, a[key], b[key])
+
+
+@pytest.mark.parametrize(
+    "ac",
+    [["--activation_checkpoint.mode", "full"], ["--activation_checkpoint.mode", "selective",
+     "--activation_checkpoint.regions", "attn_up_proj,experts,moe_act"]],
+    ids=["full", "selective"],
+)  # fmt: skip
+def test_recomputation_on_the_resident_base_equals_the_dequantised_base(folder, reference, ac):
+    """A recomputed forward dequantises again (nothing of W was kept): the same numbers."""
+    path, ref = reference
+    name = f"resident-ac-{ac[1]}"
+    got = _lora(path / name, folder, *RELEASED, *ac)
+    assert got["resident"] > 0
+    _compare(path, name, "dsv4")
+    _check_adapters(name, got, ref)
