@@ -135,23 +135,31 @@ class Resident:
         assert self.codes is not None, f"{self.key}: the resident base was not loaded"
         codes = self.codes if expert is None else self.codes[expert]
         scale = self.scale if expert is None else self.scale[expert]
-        if self.fmt.kind == "fp4":  # each byte -> its two values (a 256-row table: one lookup per byte)
-            values = F.embedding(codes.view(torch.uint8).int(), _fp4_pairs(dtype, codes.device)).flatten(-2)
+        # Each byte looked up in a 256-row table of its value(s): 2x faster than casting e4m3 on a CPU.
+        table = _table(self.fmt.kind, dtype, codes.device)
+        values = table.index_select(0, codes.reshape(-1).view(torch.uint8).int())
+        if self.fmt.kind == "fp4":  # two values per byte, low nibble first
+            values = values.view(*codes.shape[:-1], 2 * codes.shape[-1])
         else:
-            values = codes.view(torch.float8_e4m3fn).to(dtype)
+            values = values.view(codes.shape)
         return _scaled(values, scale_values(scale).to(dtype), self.fmt.block)
 
 
-_PAIRS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+_TABLES: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
 
 
-def _fp4_pairs(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """[256, 2]: the two e2m1 values of each byte, low nibble first."""
-    key = (dtype, device)
-    if key not in _PAIRS:
-        lut, byte = torch.tensor(E2M1, dtype=dtype), torch.arange(256)
-        _PAIRS[key] = torch.stack([lut[byte & 0xF], lut[byte >> 4]], dim=-1).to(device)
-    return _PAIRS[key]
+def _table(kind: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The value(s) of each byte: fp8 [256] (e4m3), fp4 [256, 2] (two e2m1 codes, low nibble first)."""
+    key = (kind, dtype, device)
+    if key not in _TABLES:
+        byte = torch.arange(256)
+        if kind == "fp8":
+            table = byte.to(torch.uint8).view(torch.float8_e4m3fn).to(dtype)
+        else:
+            lut = torch.tensor(E2M1, dtype=dtype)
+            table = torch.stack([lut[byte & 0xF], lut[byte >> 4]], dim=-1)
+        _TABLES[key] = table.to(device)
+    return _TABLES[key]
 
 
 def _scaled(values: torch.Tensor, s: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
@@ -229,6 +237,11 @@ def base_groups(x_TGI: torch.Tensor, w: torch.Tensor | Resident) -> torch.Tensor
     if isinstance(w, Resident):
         return _Groups.apply(x_TGI, w)
     return torch.einsum("tgi,goi->tgo", x_TGI, local(w).view(x_TGI.shape[1], -1, x_TGI.shape[2]))
+
+
+def local_weight(w: torch.Tensor | Resident) -> torch.Tensor | Resident:
+    """This rank's part of a base weight: a parameter's local shard (`local`), or its `Resident`."""
+    return w if isinstance(w, Resident) else local(w)
 
 
 def base_linear(x: torch.Tensor, w: torch.Tensor | Resident) -> torch.Tensor:

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from titan_thd.lora.layers import ExpertAdapters, Linear, expert_adapters, expert_delta, linear_local
-from titan_thd.lora.resident import base_grouped
+from titan_thd.lora.resident import base_grouped, local_weight
 from titan_thd.models.dsv4.args import DSv4Args
 from titan_thd.ops.grouped_linear import grouped_linear
 from titan_thd.parallel.expert_parallel import dispatch_combine
@@ -122,11 +122,10 @@ class Experts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(n_experts, hidden, dim))
 
     def forward(self, x_ND: torch.Tensor, counts: list[int], limit: float) -> torch.Tensor:
-        # This rank's experts (EP, Shard(0)) or hidden columns (TP, a partial output): `base_grouped`
-        # reads the local shard of each stack, or its resident codes (lora/resident.py).
-        return grouped_experts(
-            x_ND, counts, self.w1, self.w2, self.w3, limit, self.act, expert_adapters(self)
-        )
+        # This rank's experts (EP, Shard(0)) or hidden columns (TP, a partial output): the local shard
+        # of each stack, or its resident codes (lora/resident.py).
+        w1, w2, w3 = (local_weight(w) for w in (self.w1, self.w2, self.w3))
+        return grouped_experts(x_ND, counts, w1, w2, w3, limit, self.act, expert_adapters(self))
 
 
 class Gate(nn.Module):
