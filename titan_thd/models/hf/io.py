@@ -149,6 +149,9 @@ class SafetensorsFolder:
 
         handle = self._handles.get(stored.file)
         if handle is None:
+            # One file open at a time: the pages read from an open (memory-mapped) file stay in the
+            # process's RSS until it is closed; the tensors returned are copies.
+            self._handles.clear()
             handle = self._handles[stored.file] = safe_open(str(stored.file), "pt")
         if box is None or all(s.start == 0 and s.stop == n for s, n in zip(box, stored.shape, strict=True)):
             out = handle.get_tensor(stored.name)
