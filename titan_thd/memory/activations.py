@@ -383,14 +383,19 @@ def _measure_all(spec, args, tokens, dtype, ac, narrow_ok, progress):
     return ActivationMemory(plain, kept, back, ac.layers, loss_grad)
 
 
-def summary(acts: ActivationMemory, tokens: int, other_bytes: int) -> str:
+def summary(
+    acts: ActivationMemory,
+    tokens: int,
+    other_bytes: int,
+    other: str = "parameters, gradients and optimizer state",
+) -> str:
     """The log header's activation line of a run without pipeline parallelism (one microbatch in
-    flight at a time); `other_bytes`: the rank's parameters, gradients and optimizer state."""
+    flight at a time); `other_bytes`: the rank's parameters, gradients and optimizer state (what
+    `other` names: a base kept as released adds its stored bytes and transients)."""
     saved, back = acts.stage(list(acts.kept.layers), first=True, last=True)
     return (
         f"activations per rank (measured per layer, docs/design.md §5.3): one microbatch of {tokens:,} "
         f"tokens saves {size(saved)}"
         + (f" + backward transient (recomputation or loss gradient) {size(back)}" if back else "")
-        + f" = {size(saved + back)}; total with parameters, gradients and optimizer state "
-        f"{size(saved + back + other_bytes)}"
+        + f" = {size(saved + back)}; total with {other} {size(saved + back + other_bytes)}"
     )

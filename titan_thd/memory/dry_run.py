@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from titan_thd.components.optimizer import OptimizersContainer
+from titan_thd.lora.resident import residents
 from titan_thd.memory.live import available_host_bytes
 from titan_thd.memory.plan import MemoryPlan, RankMemory, plan_memory
 from titan_thd.parallel.fsdp import materialize_sharded
@@ -46,8 +47,9 @@ def fake_step_fits(rank: RankMemory, tokens_per_rank: int, flops_per_rank: float
     shards per rank at dp x cp 8 swapped a 24 GiB machine until the kernel killed the dry run."""
     unit, activation_bytes = rank.largest_unit_bytes, rank.activation_bytes
     logger.info("dry run: largest unsharded FSDP unit %.2f GiB (one all-gather)", unit / 2**30)
-    # The shards, the unit's params, grads and workspace, the activations.
-    need = rank.startup_bytes + 3 * unit + activation_bytes
+    # The shards (and a base kept as released), the unit's params, grads and workspace, the
+    # activations, a resident base's dequantisation.
+    need = rank.startup_bytes + 3 * unit + activation_bytes + rank.dequant_bytes
     free = available_host_bytes()
     if need > free:
         logger.warning(
@@ -77,11 +79,33 @@ def fake_step_fits(rank: RankMemory, tokens_per_rank: int, flops_per_rank: float
 def materialize(model: nn.Module, device: torch.device, optimizers: OptimizersContainer) -> None:
     """Fill this rank's shards for the dry run's step (built on the meta device: `fake_step_fits`).
     FSDP's and TP's DTensors keep their objects; a plain parameter is replaced, and the optimizers
-    built on the meta model (no state yet) are pointed at its replacement."""
+    built on the meta model (no state yet) are pointed at its replacement. A base kept as released
+    gets codes and scales of its boxes' stored shapes (`fill_resident`: a dry run reads no folder)."""
     names = {id(p): n for n, p in model.named_parameters()}
     materialize_sharded(model)
     model.to(device)
+    fill_resident(model, device)
     now = dict(model.named_parameters())
     for opt in optimizers.optimizers:
         for group in opt.param_groups:
             group["params"] = [now[names[id(p)]] for p in group["params"]]
+
+
+def fill_resident(model: nn.Module, device: torch.device) -> int:
+    """Give every `Resident` (lora/resident.py) of a dry run's model codes and scales of its stored
+    shapes: random FP8 / FP4 codes and scales of 2^0 (what the step computes on is meaningless, as
+    every fake-process-group value is; only the shapes and bytes matter). Returns the bytes."""
+    total = 0
+    for r in residents(model).values():
+        *lead, rows, cols = r.shape
+        bm, bn = r.fmt.block
+        codes = (*lead, rows, cols if r.fmt.kind == "fp8" else -(-cols // 2))
+        grid = (*lead, -(-rows // bm), -(-cols // bn))
+        # e4m3 bytes below 0x78 are finite (0x7f / 0xff are NaN); FP4 uses every nibble
+        r.codes = torch.randint(
+            0, 0x78 if r.fmt.kind == "fp8" else 256, codes, dtype=torch.uint8, device=device
+        )
+        one = torch.full(grid, 127, dtype=torch.uint8, device=device)  # e8m0: 2^(127 - 127)
+        r.scale = one if r.fmt.scale_bytes == 1 else torch.ones(grid, device=device)
+        total += r.codes.nbytes + r.scale.nbytes
+    return total

@@ -14,6 +14,12 @@ no process group, no built model. Per pipeline rank (docs/design.md §5.3, §5.6
 - the start-up peak (`startup_peak_bytes`) and the largest FSDP unit (one all-gather).
 Counted before tensor parallelism's split (the meta model is not tensor-parallel): under tp > 1 the
 figures are upper bounds, and the lines say so.
+
+A LoRA run whose frozen base stays as released (`run.resident`, lora/resident.py) counts that base at
+its stored bytes per rank (codes + scales of the boxes TP / EP give it; FSDP and CP replicate it), and
+its transients: the dequantisation of one matrix (`dequant_bytes`: its codes looked up and scaled,
+in the compute dtype) and the largest FSDP all-gather, both in the rank's total;
+its `parts_lines` list every part.
 """
 
 from __future__ import annotations
@@ -28,11 +34,19 @@ from torch import nn
 
 from titan_thd.components.optimizer import default_matrix_params
 from titan_thd.components.precision import Precision
+from titan_thd.lora.resident import Format
 from titan_thd.memory import activations
-from titan_thd.memory.state import MemoryEstimate, estimate_memory_per_rank, local_numel, size
+from titan_thd.memory.state import (
+    MemoryEstimate,
+    estimate_memory_per_rank,
+    local_numel,
+    resident_boxes,
+    size,
+)
 from titan_thd.parallel.distributed import broadcast_object
 from titan_thd.parallel.parallel_dims import ParallelDims
 from titan_thd.parallel.seeded_init import BLOCK_BYTES
+from titan_thd.parallel.shards import canonical_name
 from titan_thd.pipeline.schedule import max_in_flight
 from titan_thd.pipeline.split import rank_part
 from titan_thd.run import Run
@@ -49,6 +63,36 @@ def startup_peak_bytes(
     small); the optimizer state comes at the first step."""
     block = min(BLOCK_BYTES, largest_tensor * master.itemsize)
     return shard_params * master.itemsize + block + largest_slice_bytes
+
+
+def dequant_bytes(fmt: Format, shape: tuple[int, ...], compute: torch.dtype) -> int:
+    """What `Resident.dense` (lora/resident.py) holds at its peak for one use of a box of `shape`: the
+    larger of its two stages. The lookup: every code byte's int32 index and the values it gathers
+    from the byte table (compute dtype). The scaling: those values, the scale grid and their product
+    (compute dtype), the grid expanded to every row and whole column blocks where the box ends on a
+    partial block (broadcast otherwise). Measured against live tensors:
+    tests/memory/test_resident_plan.py. The forward's and the backward's uses never overlap
+    (nothing of W is saved)."""
+    rows, cols = shape[-2:]
+    (bm, bn), grid_rows, grid_cols = fmt.block, -(-rows // fmt.block[0]), -(-cols // fmt.block[1])
+    code_bytes = rows * (cols if fmt.kind == "fp8" else -(-cols // 2))
+    values = rows * (cols if fmt.kind == "fp8" else 2 * -(-cols // 2))
+    grid = grid_rows * grid_cols if rows % bm == 0 and cols % bn == 0 else rows * grid_cols * bn
+    lookup = 4 * code_bytes + values * compute.itemsize
+    return max(lookup, (2 * values + grid) * compute.itemsize)
+
+
+def dequant_transient(
+    boxes: dict[str, tuple[Format, tuple[int, ...]]], compute: torch.dtype
+) -> tuple[int, str]:
+    """(bytes, `key [rows, cols] in <dtype>`) of the largest dequantisation of a base kept as released
+    (`dequant_bytes`): one use is one 2-D weight, or one expert's matrix of a stack ([E, O, I]:
+    `base_grouped` dequantises expert by expert); (0, "") without such a base."""
+    if not boxes:
+        return 0, ""
+    key, (fmt, shape) = max(boxes.items(), key=lambda kv: dequant_bytes(*kv[1], compute))
+    dtype = str(compute).removeprefix("torch.")
+    return dequant_bytes(fmt, shape, compute), f"{key} {list(shape[-2:])} in {dtype}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +119,14 @@ class RankMemory:
     """Its largest FSDP unit's full parameters in the dtype they are gathered in (one all-gather)."""
     startup_bytes: int
     """Peak while the model is built (`startup_peak_bytes`)."""
+    dequant_bytes: int = 0
+    """A base kept as released: its largest dequantisation (`dequant_transient`); 0 otherwise."""
+    dequant_of: str = ""
+    """The matrix it dequantises, `key [rows, cols] in <compute dtype>` (`dequant_transient`)."""
+    gather_bytes: int = 0
+    """A base kept as released: the largest FSDP all-gather, held with the dequantisation inside a
+    block (0 without FSDP, where nothing is gathered, and in every other run: those plans count no
+    all-gather, as before)."""
 
     @property
     def state_bytes(self) -> int:
@@ -92,9 +144,14 @@ class RankMemory:
         return (self.in_flight or 1) * (self.saved_bytes or 0.0) + self.backward_bytes
 
     @property
+    def transient_bytes(self) -> int:
+        """A base kept as released: its dequantisation and one FSDP all-gather; 0 otherwise."""
+        return self.dequant_bytes + self.gather_bytes
+
+    @property
     def steady_bytes(self) -> float:
-        """During training: state, stage copy, activations."""
-        return self.state.total_bytes + self.activation_bytes
+        """During training: state, stage copy, activations (and a resident base's transient)."""
+        return self.state.total_bytes + self.activation_bytes + self.transient_bytes
 
     @property
     def total_bytes(self) -> float:
@@ -152,8 +209,16 @@ class MemoryPlan:
         if self.schedule is None:
             r, acts = self.ranks[0], self.acts
             if acts is None:
-                return [self.startup_line()]
-            return [activations.summary(acts, self.tokens, r.state.total_bytes), self.startup_line()]
+                return [*self.parts_lines(), self.startup_line()]
+            other = r.state.total_bytes + r.transient_bytes
+            summary = (
+                activations.summary(
+                    acts, self.tokens, other, "the state, the base as released and its transients"
+                )
+                if r.transient_bytes
+                else activations.summary(acts, self.tokens, other)
+            )
+            return [summary, *self.parts_lines(), self.startup_line()]
         mib = self.boundary_bytes / 2**20
         lines = []
         for r in self.ranks:
@@ -164,7 +229,7 @@ class MemoryPlan:
                 f"in-flight microbatch inputs {flight} (boundary {list(self.boundary or ())}, {self.schedule})"
             )
             lines.append(line + ("; " + _saved(r) if r.saved_bytes is not None else ""))
-        return [*lines, self.startup_line()]
+        return [*lines, *self.parts_lines(), self.startup_line()]
 
     def activation_lines(self) -> list[str]:
         """The lines of activations measured after the header (a dry run, memory/dry_run.py): the one
@@ -172,7 +237,29 @@ class MemoryPlan:
         if self.schedule is None:
             return self.stage_lines()
         saved = [f"pp rank {r.rank}: {_saved(r)}" for r in self.ranks if r.saved_bytes is not None]
-        return [*saved, self.startup_line()]
+        return [*saved, *self.parts_lines(), self.startup_line()]
+
+    def parts_lines(self) -> list[str]:
+        """A base kept as released: one line per pipeline rank with every part of its peak (every rank
+        of that pipeline rank holds the same, fsdp rank 0 the most); [] otherwise."""
+        if not any(r.state.resident.values for r in self.ranks):
+            return []
+        lines = []
+        for r in self.ranks:
+            st, n = r.state, self.world_size // len(self.ranks)
+            base = st.param_bytes * st.frozen_params // max(1, st.params)
+            stage = f" + stage copy {size(r.stage_copy_bytes)}" if r.stage_copy_bytes else ""
+            saved = "not measured" if r.saved_bytes is None else size(r.activation_bytes - r.backward_bytes)
+            flight = "" if r.in_flight in (None, 1) else f"{r.in_flight} microbatches "
+            lines.append(
+                f"pp rank {r.rank} (each of its {n} ranks): base codes {size(st.resident.codes)} + scales "
+                f"{size(st.resident.scales)} + other frozen base {size(base)} + adapters "
+                f"{size(st.param_bytes - base)} + their grads {size(st.grad_bytes)} + their optimizer state "
+                f"{size(st.optimizer_bytes)}{stage} + saved activations {flight}{saved} + backward transient "
+                f"{size(r.backward_bytes)} + dequantisation {size(r.dequant_bytes)} (of {r.dequant_of}) + "
+                f"largest FSDP all-gather {size(r.gather_bytes)} = {size(r.steady_bytes)}" + self._tp_note()
+            )
+        return lines
 
     def startup_line(self) -> str:
         r = max(self.ranks, key=lambda r: r.startup_bytes)
@@ -232,7 +319,14 @@ def plan_memory(run: Run, measure: bool = True) -> MemoryPlan:
         part = full if stages is None else rank_part(spec.pipeline, full, layers, rank, pp, tied)
         muon = matrix_params(part) if optimizer == "muon" else ()
         experts = spec.parallel.expert_params(part)
-        state = estimate_memory_per_rank(part, dims, optimizer, precision, muon, experts)
+        state = estimate_memory_per_rank(part, dims, optimizer, precision, muon, experts, run.resident)
+        boxes = resident_boxes(part, dims, run.resident, experts)
+        dequant, dequant_of = dequant_transient(boxes, precision.compute)
+        # What FSDP shards, the seeded init fills and the load dequantises: the base kept as
+        # released is none of these (its codes are read as stored).
+        sharded = [p for n, p in part.named_parameters() if canonical_name(n) not in boxes]
+        unit = largest_unit_bytes(part, dims, precision, experts, set(boxes))
+        gathers = bool(boxes) and (dims.fsdp_enabled or precision.mixed)  # else no copy is gathered
         chunks = range(rank, len(layers), pp)
         in_flight: int | None = 1
         if stages is not None:
@@ -254,16 +348,25 @@ def plan_memory(run: Run, measure: bool = True) -> MemoryPlan:
                 in_flight=in_flight,
                 saved_bytes=saved,
                 backward_bytes=back,
-                largest_unit_bytes=largest_unit_bytes(part, dims, precision, experts),
+                largest_unit_bytes=unit,
                 startup_bytes=startup_peak_bytes(
                     state.params,
                     precision.master,
-                    max(p.numel() for p in part.parameters()),
+                    max(p.numel() for p in sharded),
                     # the largest FSDP shard of one tensor, read and dequantised to float32
-                    2 * 4 * max(local_numel(p.shape, shards) for p in part.parameters())
+                    2 * 4 * max(local_numel(p.shape, shards) for p in sharded) if loads_checkpoint else 0,
+                )
+                # the base kept as released, read whole before the first step; its largest box read
+                # in flight (a stack of experts is read expert by expert, then stacked)
+                + state.resident.total
+                + (
+                    max((f.stored_bytes(shape) for f, shape in boxes.values()), default=0)
                     if loads_checkpoint
-                    else 0,
+                    else 0
                 ),
+                dequant_bytes=dequant,
+                dequant_of=dequant_of,
+                gather_bytes=unit if gathers else 0,
             )
         )
     return MemoryPlan(
@@ -279,18 +382,24 @@ def plan_memory(run: Run, measure: bool = True) -> MemoryPlan:
 
 
 def largest_unit_bytes(
-    part: nn.Module, dims: ParallelDims, precision: Precision, experts: Collection[str]
+    part: nn.Module,
+    dims: ParallelDims,
+    precision: Precision,
+    experts: Collection[str],
+    resident: Collection[str] = (),
 ) -> int:
     """The largest FSDP unit of a rank's (unsharded, meta) part as the model's `parallelize` cuts it:
     each block of `part.layers`, under expert parallelism its routed experts apart (1 / ep of them
     gathered), and the root (the rest), gathered in the compute dtype; without FSDP (one rank, no
     mixed precision: parallel/fsdp.py fsdp_mesh) the whole part is one. An upper bound: the small
-    master-dtype units inside a block (dsv4's mHC) are counted in it."""
+    master-dtype units inside a block (dsv4's mHC) are counted in it. The keys in `resident` (a base
+    kept as released: FSDP ignores it) are in no unit."""
+    params = [(n, p) for n, p in part.named_parameters() if canonical_name(n) not in resident]
     if not (dims.fsdp_enabled or precision.mixed):
-        return sum(p.numel() * precision.master.itemsize for p in part.parameters())
+        return sum(p.numel() * precision.master.itemsize for _, p in params)
     expert_names = set(experts) if dims.ep_enabled else set()
     units: dict[str, int] = {}
-    for name, p in part.named_parameters():
+    for name, p in params:
         top, _, rest = name.partition(".")
         unit = f"layers.{rest.partition('.')[0]}" if top == "layers" else ""
         if name in expert_names:

@@ -5,13 +5,19 @@ global) or a meta-built one, as FSDP (over dp x cp), expert parallelism and, on 
 tensor parallelism cut it; under pipeline parallelism also what FSDP keeps unsharded for the stage
 between microbatches (docs/design.md §5.6). `largest_unsharded_unit_bytes` reads a model FSDP has
 already wrapped (what one all-gather materialises). Activations are memory/activations.py's.
+
+A LoRA run's frozen base kept as released (`lora.base_dtype = "released"`, lora/resident.py) is
+counted at its stored bytes (`ResidentBytes`: codes + scales of this rank's boxes), never in the
+master dtype: FSDP and CP replicate it, TP and EP cut it as the parameter, it has no gradient, no
+optimizer state and no gathered copy. `resident_boxes` finds those boxes on a built model (its
+`Resident`s) or on a meta one (the run's {key: Format}).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Collection
-from dataclasses import dataclass
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -20,7 +26,9 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from titan_thd.components.precision import Precision
+from titan_thd.lora.resident import Format, residents
 from titan_thd.parallel.parallel_dims import EP_TP_DIMS, ParallelDims
+from titan_thd.parallel.shards import canonical_name
 
 
 def size(n_bytes: float) -> str:
@@ -51,6 +59,70 @@ def largest_unsharded_unit_bytes(model: nn.Module) -> int:
 
 
 @dataclass(frozen=True)
+class ResidentBytes:
+    """One rank's frozen base kept as released (lora/resident.py): its codes and scales as stored."""
+
+    codes: int = 0
+    """FP8 codes (1 B per value) and packed FP4 codes (0.5 B per value)."""
+    scales: int = 0
+    """Their scales (one per block, edge blocks whole)."""
+    values: int = 0
+    """Values the boxes stand for (this rank's share of the weights)."""
+    by_kind: tuple[tuple[str, int], ...] = ()
+    """(format kind, codes + scales bytes) per kind, sorted: ("fp4", ...), ("fp8", ...)."""
+
+    @property
+    def total(self) -> int:
+        return self.codes + self.scales
+
+    def describe(self) -> str:
+        """`codes 23.1 GiB + scales 0.8 GiB; fp4 17.4 GiB, fp8 6.5 GiB`: the parts of the header lines."""
+        kinds = ", ".join(f"{kind} {size(n)}" for kind, n in self.by_kind)
+        return f"codes {size(self.codes)} + scales {size(self.scales)}; {kinds}"
+
+
+def resident_bytes(boxes: Mapping[str, tuple[Format, tuple[int, ...]]]) -> ResidentBytes:
+    """Codes, scales and values of {key: (Format, local shape)} (`resident_boxes`): each box's
+    `Format.stored_bytes`, the codes alone as that format without scale bytes."""
+    codes = scales = values = 0
+    kinds: dict[str, int] = {}
+    for fmt, shape in boxes.values():
+        stored, only_codes = fmt.stored_bytes(shape), replace(fmt, scale_bytes=0).stored_bytes(shape)
+        codes, scales, values = codes + only_codes, scales + stored - only_codes, values + math.prod(shape)
+        kinds[fmt.kind] = kinds.get(fmt.kind, 0) + stored
+    return ResidentBytes(codes, scales, values, tuple(sorted(kinds.items())))
+
+
+def resident_boxes(
+    model: nn.Module,
+    parallel_dims: ParallelDims,
+    resident: Mapping[str, Format] | None = None,
+    expert_params: Collection[str] = (),
+) -> dict[str, tuple[Format, tuple[int, ...]]]:
+    """{key: (Format, this rank's shape)} of the base kept as released: a built model's `Resident`s
+    (their boxes exactly), and the parameters of a meta or sharded model named in `resident` (the
+    run's {key: Format}) as TP and EP would cut them: a DTensor's tp / ep share; on a model not yet
+    split, routed experts (`expert_params`) 1 / ep of the stack (rank 0's, the largest) and no tp
+    split (an upper bound under tp > 1, as every figure of the plan). Never cut by FSDP or CP."""
+    out = {key: (r.fmt, r.shape) for key, r in residents(model).items()}
+    if not resident:
+        return out
+    d = parallel_dims
+    for name, p in model.named_parameters():
+        key = canonical_name(name)
+        if key not in resident:
+            continue
+        if isinstance(p, DTensor):
+            shape = _model_parallel_shape(p)
+        elif d.ep_enabled and name in expert_params:
+            shape = (math.ceil(p.shape[0] / d.ep), *p.shape[1:])
+        else:
+            shape = tuple(p.shape)
+        out[key] = (resident[key], tuple(shape))
+    return out
+
+
+@dataclass(frozen=True)
 class MemoryEstimate:
     """Parameter memory of one rank: the sharded master state, and under pipeline parallelism what
     FSDP keeps unsharded for the whole stage between its microbatches (docs/design.md §5.6)."""
@@ -72,6 +144,8 @@ class MemoryEstimate:
     trained_params: int | None = None
     """Of `params`, those that train (None: all); fewer in a LoRA run, whose frozen base has no
     gradient and no optimizer state."""
+    resident: ResidentBytes = ResidentBytes()
+    """The frozen base kept as released, at its stored bytes (not in `params`: no parameter holds it)."""
 
     @property
     def frozen_params(self) -> int:
@@ -85,6 +159,7 @@ class MemoryEstimate:
             + self.optimizer_bytes
             + self.stage_param_bytes
             + self.stage_grad_bytes
+            + self.resident.total
         )
 
     def per_parameter(self) -> str:
@@ -118,6 +193,17 @@ class MemoryEstimate:
             if self.stage_params
             else ""
         )
+        if self.resident.values:  # LoRA on a base kept as released: its stored bytes, then the rest
+            base = self.param_bytes * self.frozen_params // max(1, self.params)
+            return (
+                f"{self.params:,} parameters per rank: frozen base {self.frozen_params:,} (no grads, no "
+                f"optimizer state) + adapters {self.trained_params:,}, and {self.resident.values:,} base "
+                f"values kept as released; estimated memory per rank: base as released "
+                f"{_size(self.resident.total)} ({self.resident.describe()}; no gradient, no optimizer "
+                f"state, no gathered copy) + other frozen base {_size(base)} (master dtype) + adapters "
+                f"{_size(self.param_bytes - base)} + their grads {_size(self.grad_bytes)} + their optimizer "
+                f"state {_size(self.optimizer_bytes)}{stage} = {_size(self.total_bytes)} (activations excluded)"
+            )
         if self.frozen_params:  # LoRA: the base's master copy, the adapters' copy, grads and state
             base = self.param_bytes * self.frozen_params // self.params
             return (
@@ -182,6 +268,7 @@ def estimate_memory_per_rank(
     precision: Precision | torch.dtype = torch.float32,
     muon_params: Collection[str] = (),
     expert_params: Collection[str] = (),
+    resident: Mapping[str, Format] | None = None,
 ) -> MemoryEstimate:
     """Parameter, gradient and optimizer-state bytes on the most loaded rank (fsdp rank 0).
 
@@ -192,7 +279,9 @@ def estimate_memory_per_rank(
     keeps the stage's parameters gathered (compute dtype) and their gradients accumulated
     unsharded (reduction dtype) between microbatches. On a model not yet expert-parallel, the
     `expert_params` (routed experts) are each held by 1 / ep of the ranks. A tensor-parallel shard
-    counts its share of the tp-split dimension; activations are excluded.
+    counts its share of the tp-split dimension; activations are excluded. The frozen base kept as
+    released (a built model's `Resident`s, or the parameters `resident` names on a meta one) counts
+    at its stored bytes (`resident_boxes`), outside the parameters and every FSDP figure.
     """
     if optimizer not in ("adamw", "muon"):
         raise ValueError(f"estimate_memory_per_rank: optimizer {optimizer!r}, expected adamw or muon")
@@ -203,7 +292,10 @@ def estimate_memory_per_rank(
     d = parallel_dims
     shards = d.fsdp_degree if d.fsdp_enabled else 1
     params = trained = states = stage = stage_trained = 0
+    boxes = resident_boxes(model, d, resident, expert_params)
     for name, p in model.named_parameters():
+        if canonical_name(name) in boxes:  # not in FSDP: counted at its stored bytes
+            continue
         if isinstance(p, DTensor):
             # A sharded parameter's own placements (expert-parallel experts: ep x efsdp); what FSDP
             # gathers for a pipeline stage is its tp / ep share.
@@ -231,4 +323,5 @@ def estimate_memory_per_rank(
         stage * compute.itemsize,
         stage_trained * reduce.itemsize,
         trained,
+        resident_bytes(boxes),
     )
