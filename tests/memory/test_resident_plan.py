@@ -8,7 +8,7 @@
   tp split, as all its figures, an upper bound of the real boxes);
 - none of it is in the FSDP-sharded parameters: the master-base plan of the same layout holds
   exactly those values more, in the master dtype, sharded;
-- one `Resident.dense` holds at its peak what `dequant_bytes` says (live tensors): the larger of its
+- one `Resident.dense` holds at its peak what `Format.dense_bytes` says (live tensors): the larger of its
   byte lookup (an int32 index per code byte and the values) and its scaling (the values, the scale
   grid, expanded where the box ends on a partial block, and the product);
 - a real one-process LoRA run on a release-format folder allocates the planned codes and scales,
@@ -30,7 +30,7 @@ from titan_thd.config import load_config
 from titan_thd.lora.resident import Format, Resident, residents
 from titan_thd.memory.dry_run import fill_resident
 from titan_thd.memory.live import LiveBytes
-from titan_thd.memory.plan import dequant_bytes, plan_memory
+from titan_thd.memory.plan import plan_memory
 from titan_thd.memory.state import local_numel, resident_bytes, size
 from titan_thd.models import get_model_spec
 from titan_thd.parallel import distributed
@@ -219,7 +219,7 @@ def test_one_dequantisation_holds_what_the_plan_counts(kind, dtype, edge):
     if edge == "partial":
         grid = rows * -(-cols // block[1]) * block[1] * dtype.itemsize
     want = max(4 * codes + matrix, 2 * matrix + grid)
-    assert held == want == dequant_bytes(Format(kind, block, 1), shape, dtype), (held, want, matrix)
+    assert held == want == Format(kind, block, 1).dense_bytes(shape, dtype), (held, want, matrix)
 
 
 def test_a_one_process_run_allocates_the_plan_and_peaks_where_it_says(folder, tmp_path):

@@ -66,6 +66,22 @@ class Format:
         codes = n * rows * (cols if self.kind == "fp8" else -(-cols // 2))
         return codes + n * -(-rows // self.block[0]) * -(-cols // self.block[1]) * self.scale_bytes
 
+    def dense_bytes(self, shape: tuple[int, ...], dtype: torch.dtype) -> int:
+        """What `Resident.dense` holds at its peak for one use of a box of `shape` (its last two
+        dimensions: one matrix, or one expert's): the larger of its two stages. The lookup: every code
+        byte's int32 index and the values it gathers from the byte table. The scaling: those values,
+        the scale grid and their product, the grid expanded to every row and whole column blocks where
+        the box ends on a partial block (broadcast otherwise). The memory plan counts it
+        (memory/plan.py); tests/memory/test_resident_plan.py measures it against live tensors. The
+        forward's and the backward's uses never overlap (nothing of W is saved)."""
+        rows, cols = shape[-2:]
+        (bm, bn), grid_rows, grid_cols = self.block, -(-rows // self.block[0]), -(-cols // self.block[1])
+        code_bytes = rows * (cols if self.kind == "fp8" else -(-cols // 2))
+        values = rows * (cols if self.kind == "fp8" else 2 * -(-cols // 2))
+        grid = grid_rows * grid_cols if rows % bm == 0 and cols % bn == 0 else rows * grid_cols * bn
+        lookup = 4 * code_bytes + values * dtype.itemsize
+        return max(lookup, (2 * values + grid) * dtype.itemsize)
+
 
 def fmt_of(source) -> Format | None:
     """The stored format of a folder's source (models/dsv4/hf_dequant.Quantized, or a stack of them:

@@ -17,7 +17,7 @@ figures are upper bounds, and the lines say so.
 
 A LoRA run whose frozen base stays as released (`run.resident`, lora/resident.py) counts that base at
 its stored bytes per rank (codes + scales of the boxes TP / EP give it; FSDP and CP replicate it), and
-its transients: the dequantisation of one matrix (`dequant_bytes`: its codes looked up and scaled,
+its transients: the dequantisation of one matrix (`Format.dense_bytes`, lora/resident.py: its codes looked up and scaled,
 in the compute dtype) and the largest FSDP all-gather, both in the rank's total;
 its `parts_lines` list every part.
 """
@@ -65,34 +65,17 @@ def startup_peak_bytes(
     return shard_params * master.itemsize + block + largest_slice_bytes
 
 
-def dequant_bytes(fmt: Format, shape: tuple[int, ...], compute: torch.dtype) -> int:
-    """What `Resident.dense` (lora/resident.py) holds at its peak for one use of a box of `shape`: the
-    larger of its two stages. The lookup: every code byte's int32 index and the values it gathers
-    from the byte table (compute dtype). The scaling: those values, the scale grid and their product
-    (compute dtype), the grid expanded to every row and whole column blocks where the box ends on a
-    partial block (broadcast otherwise). Measured against live tensors:
-    tests/memory/test_resident_plan.py. The forward's and the backward's uses never overlap
-    (nothing of W is saved)."""
-    rows, cols = shape[-2:]
-    (bm, bn), grid_rows, grid_cols = fmt.block, -(-rows // fmt.block[0]), -(-cols // fmt.block[1])
-    code_bytes = rows * (cols if fmt.kind == "fp8" else -(-cols // 2))
-    values = rows * (cols if fmt.kind == "fp8" else 2 * -(-cols // 2))
-    grid = grid_rows * grid_cols if rows % bm == 0 and cols % bn == 0 else rows * grid_cols * bn
-    lookup = 4 * code_bytes + values * compute.itemsize
-    return max(lookup, (2 * values + grid) * compute.itemsize)
-
-
 def dequant_transient(
     boxes: dict[str, tuple[Format, tuple[int, ...]]], compute: torch.dtype
 ) -> tuple[int, str]:
     """(bytes, `key [rows, cols] in <dtype>`) of the largest dequantisation of a base kept as released
-    (`dequant_bytes`): one use is one 2-D weight, or one expert's matrix of a stack ([E, O, I]:
+    (`Format.dense_bytes`): one use is one 2-D weight, or one expert's matrix of a stack ([E, O, I]:
     `base_grouped` dequantises expert by expert); (0, "") without such a base."""
     if not boxes:
         return 0, ""
-    key, (fmt, shape) = max(boxes.items(), key=lambda kv: dequant_bytes(*kv[1], compute))
+    key, (fmt, shape) = max(boxes.items(), key=lambda kv: kv[1][0].dense_bytes(kv[1][1], compute))
     dtype = str(compute).removeprefix("torch.")
-    return dequant_bytes(fmt, shape, compute), f"{key} {list(shape[-2:])} in {dtype}"
+    return fmt.dense_bytes(shape, compute), f"{key} {list(shape[-2:])} in {dtype}"
 
 
 @dataclasses.dataclass(frozen=True)
