@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from titan_thd.lora.layers import Linear, grouped_delta, linear_local
-from titan_thd.lora.resident import base_groups
+from titan_thd.lora.resident import base_groups, local_weight
 from titan_thd.models.dsv4.args import DSv4Args
 from titan_thd.models.dsv4.compressor import Compressor
 from titan_thd.models.dsv4.context_parallel import gather_entries, with_left_halo
@@ -142,7 +142,7 @@ class Attention(nn.Module):
         """One softmax of every query over its band and listed key rows and its sink, then the
         output projection; (output [T, d], lse [T, H]). The cached decoder (decode.py) attends its
         one-row steps through it too (band None, every key row listed)."""
-        (T, _, D), wo_a = q_THD.shape, self.wo_a.weight
+        (T, _, D), wo_a = q_THD.shape, local_weight(self.wo_a.weight)  # this rank's groups under TP
         G = wo_a.shape[0] // self.o_lora_rank  # this rank's groups: its H heads, whole groups
         o_THD, lse_TH = sparse_mqa(
             q_THD, kv_SD, idx_TK, local(self.attn_sink), D**-0.5, self.chunk, band=band
