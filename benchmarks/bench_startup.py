@@ -182,7 +182,11 @@ def dry_runs(opts: argparse.Namespace, trees: dict[str, Path], tmp: Path) -> dic
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--probe":
-        sys.exit(probe(sys.argv[2:]))
+        from titan_thd import exits
+
+        # as the trainer's entry ends (os._exit): a finished multi-rank run can otherwise hit the gloo
+        # shutdown race at interpreter exit (exits.py) and end in SIGABRT after its last step
+        exits.run_main(lambda: probe(sys.argv[2:]))
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--recipes", default="debug_dense_thd.toml,dsv4_flash_thd.toml")
     p.add_argument("--dtypes", default="float32,bfloat16", help="training.mixed_precision_param values")
