@@ -17,6 +17,8 @@ unit tests and refused on a cut that splits them).
   LoRA on the resident base equals LoRA on the base dequantised to float64 on one process (losses,
   gradient norms, MTP / indexer terms rel <= 1e-12 per step, adapters <= 1e-10), on one process and on
   FSDP 2, TP 2, PP 2, CP 2, EP 2 x FSDP 2 and TP 2 x EP 2 (4 ranks).
+- A resident run resumes bitwise (the checkpoint holds the adapters; the base is read again), and on the
+  base dequantised on load.
 - Bad input is one line: released without LoRA, without a folder, a folder with no quantised weight,
   a cut that splits a scale block (the tensor, the block and the degrees that serve it).
 """
@@ -276,3 +278,33 @@ def test_recomputation_on_the_resident_base_equals_the_dequantised_base(folder, 
     assert got["resident"] > 0
     _compare(path, name, "dsv4")
     _check_adapters(name, got, ref)
+
+
+def test_a_resident_run_resumes_bitwise_and_on_the_dequantised_base(folder, tmp_path):
+    """The checkpoint holds the adapters only; the resident base is read again from the folder: 2 steps,
+    resume, 2 more equals 4 straight (bitwise), and the same checkpoint resumes on the base dequantised
+    on load (lora.base_dtype is how the base is held, not what is trained) to float64 rounding."""
+    from titan_thd.train import Trainer
+
+    ckpt = ["--checkpoint.enable", "true", "--checkpoint.interval", "2", "--lr_scheduler.total_steps", "4"]
+    lora = [*LORA["dsv4"], "--lora.enable", "true", "--lora.rank", "4", "--lora.alpha", "8"]
+
+    def run(dump: Path, steps: int, base: str) -> None:
+        extra = [*lora, *ckpt, "--model.hf_path", str(folder), "--lora.base_dtype", base]
+        trainer = Trainer(resolve_run(config(dump, "dsv4", steps, *extra)))
+        try:
+            trainer.train()
+        finally:
+            trainer.close()
+
+    run(tmp_path / "straight", 4, "released")
+    run(tmp_path / "resumed", 2, "released")
+    run(tmp_path / "resumed", 4, "released")
+    straight, resumed = records(tmp_path / "straight"), records(tmp_path / "resumed")
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    for a, b in zip(straight, resumed, strict=True):
+        assert a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"], (a["step"], a, b)
+    run(tmp_path / "on_master", 2, "released")
+    run(tmp_path / "on_master", 4, "master")
+    for a, b in zip(straight[2:], records(tmp_path / "on_master")[2:], strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-12, abs=0), (a["step"], a["loss"], b["loss"])
