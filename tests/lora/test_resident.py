@@ -16,7 +16,8 @@ unit tests and refused on a cut that splits them).
 - Through the Trainer (tests/lora/test_lora_layouts.py's LoRA recipe, every target group, float64):
   LoRA on the resident base equals LoRA on the base dequantised to float64 on one process (losses,
   gradient norms, MTP / indexer terms rel <= 1e-12 per step, adapters <= 1e-10), on one process and on
-  FSDP 2, TP 2, PP 2, CP 2, EP 2 x FSDP 2 and TP 2 x EP 2 (4 ranks).
+  FSDP 2, TP 2, PP 2, CP 2, EP 2 x FSDP 2 and TP 2 x EP 2 (4 ranks); extended: HSDP 2 x 2, PP 2 x TP 2
+  (GPipe), CP 2 x EP 2.
 - A resident run resumes bitwise (the checkpoint holds the adapters; the base is read again), and on the
   base dequantised on load.
 - Bad input is one line: released without LoRA, without a folder, a folder with no quantised weight,
@@ -30,9 +31,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.lora.test_lora_layouts import COMMON, EP, LORA, _check_adapters, _merge, _runs, train
+from tests.lora.test_lora_layouts import COMMON, EP, GPIPE, LORA, _check_adapters, _merge, _runs, train
 from tests.models.dsv4._release import write_release
-from tests.test_train_compose import CP2, PP2, TP2, _compare, _spawn, config
+from tests.test_train_compose import CP2, HSDP, PP2, TP2, _compare, _spawn, config
 from tests.test_train_layouts import records
 from titan_thd.lora import resident
 from titan_thd.lora.resident import Format, Resident
@@ -308,3 +309,21 @@ def test_a_resident_run_resumes_bitwise_and_on_the_dequantised_base(folder, tmp_
     run(tmp_path / "on_master", 4, "master")
     for a, b in zip(straight[2:], records(tmp_path / "on_master")[2:], strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-12, abs=0), (a["step"], a["loss"], b["loss"])
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+def test_more_compositions_on_the_resident_base_equal_one_process(folder, reference):
+    """HSDP 2 x 2 (the base replicated over both), PP 2 x TP 2 (GPipe) and CP 2 x EP 2, 4 ranks."""
+    path, ref = reference
+    base = ["--model.hf_path", str(folder), *RELEASED]
+    layouts = {
+        "resident-hsdp2x2": ("dsv4", 4, [*HSDP, *base], STEPS),
+        "resident-pp2-tp2": ("dsv4", 4, [*PP2, *TP2, *GPIPE, *base], STEPS),
+        "resident-cp2-ep2": ("dsv4", 4, [*CP2, EP, "2", *base], STEPS),
+    }
+    ranks = _spawn(_runs, 4, path, layouts)
+    for name in layouts:
+        assert all(r[name]["resident"] > 0 for r in ranks), name
+        _compare(path, name, "dsv4")
+        _check_adapters(name, _merge(ranks, name), ref)
