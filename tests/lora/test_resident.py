@@ -32,7 +32,7 @@ import pytest
 import torch
 
 from tests.lora.test_lora_layouts import COMMON, EP, GPIPE, LORA, _check_adapters, _merge, _runs, train
-from tests.models.dsv4._release import write_release
+from tests.models.dsv4._release import write_micro_release
 from tests.test_train_compose import CP2, HSDP, PP2, TP2, _compare, _spawn, config
 from tests.test_train_layouts import records
 from titan_thd.lora import resident
@@ -51,11 +51,7 @@ RELEASED = ["--lora.base_dtype", "released"]
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory) -> Path:
-    spec = get_model_spec("dsv4")
-    args = spec.flavors["micro"]
-    model = spec.build(args)
-    model.init_weights(7)
-    return write_release(model, args, tmp_path_factory.mktemp("resident") / "micro", block=BLOCK)
+    return write_micro_release(tmp_path_factory.mktemp("resident") / "micro", BLOCK)
 
 
 def _sources(folder: Path):
@@ -64,19 +60,15 @@ def _sources(folder: Path):
     return stored, sources
 
 
-def _resident(key: str, source, box) -> Resident:
+def _resident(stored: SafetensorsFolder, key: str, source, box) -> Resident:
     fmt = resident.fmt_of(source)
     r = Resident(key, fmt, tuple(s.stop - s.start for s in box), box)
-    r.codes, r.scale = source.read_codes(FOLDER[0], box)
+    r.codes, r.scale = source.read_codes(stored, box)
     return r
-
-
-FOLDER: list = []
 
 
 def test_dense_equals_the_loaders_dequantisation_on_every_aligned_box(folder):
     stored, sources = _sources(folder)
-    FOLDER[:] = [stored]
     seen = set()
     for name, source in sources.items():
         rows, cols = source.shape[-2:]
@@ -95,7 +87,7 @@ def test_dense_equals_the_loaders_dequantisation_on_every_aligned_box(folder):
             if any(s.stop == s.start for s in box):
                 continue
             want = source.read(stored, box)
-            r = _resident(name, source, box)
+            r = _resident(stored, name, source, box)
             assert r.fmt.kind == kind and r.fmt.block == (bm, bn)
             assert torch.equal(r.dense(torch.float32), want), (name, box)
             assert torch.equal(r.dense(torch.float64), want.double()), (name, box)
@@ -109,11 +101,10 @@ def test_dense_equals_the_loaders_dequantisation_on_every_aligned_box(folder):
 
 def test_the_autograd_functions_save_nothing_of_w_and_give_ws_gradients(folder):
     stored, sources = _sources(folder)
-    FOLDER[:] = [stored]
     name = next(k for k, s in sources.items() if not s.packed and s.shape[-2] >= 32)
     src = sources[name]
     box = tuple(slice(0, n) for n in src.shape)
-    w = _resident(name, src, box)
+    w = _resident(stored, name, src, box)
     W = src.read(stored, box).double()
     x = torch.randn(5, W.shape[1], dtype=torch.float64, requires_grad=True)
     saved: list[tuple[int, ...]] = []

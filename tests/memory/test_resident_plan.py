@@ -25,14 +25,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.models.dsv4._release import write_release
+from tests.models.dsv4._release import write_micro_release
 from titan_thd.config import load_config
 from titan_thd.lora.resident import Format, Resident, residents
 from titan_thd.memory.dry_run import fill_resident
 from titan_thd.memory.live import LiveBytes
 from titan_thd.memory.plan import plan_memory
 from titan_thd.memory.state import local_numel, resident_bytes, size
-from titan_thd.models import get_model_spec
 from titan_thd.parallel import distributed
 from titan_thd.parallel.fsdp import build_on_meta
 from titan_thd.pipeline.runner import build
@@ -66,11 +65,7 @@ TP_DIM = {
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory) -> Path:
-    spec = get_model_spec("dsv4")
-    args = spec.flavors["micro"]
-    model = spec.build(args)
-    model.init_weights(7)
-    return write_release(model, args, tmp_path_factory.mktemp("resident_plan") / "micro", block=BLOCK)
+    return write_micro_release(tmp_path_factory.mktemp("resident_plan") / "micro", BLOCK)
 
 
 def _cfg(dump: Path, *extra: str):

@@ -59,12 +59,19 @@ class Format:
     scale_bytes: int
     """Bytes of one stored scale (1: e8m0, 4: float32)."""
 
-    def stored_bytes(self, shape: tuple[int, ...]) -> int:
-        """Bytes of codes and scales of a box of `shape` values (edge blocks counted whole)."""
+    def code_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The stored codes of a box of `shape` values: a byte per FP8 value, one per two FP4 values."""
         *lead, rows, cols = shape
-        n = math.prod(lead)
-        codes = n * rows * (cols if self.kind == "fp8" else -(-cols // 2))
-        return codes + n * -(-rows // self.block[0]) * -(-cols // self.block[1]) * self.scale_bytes
+        return (*lead, rows, cols if self.kind == "fp8" else -(-cols // 2))
+
+    def grid_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The scale grid of a box of `shape` values (edge blocks counted whole)."""
+        *lead, rows, cols = shape
+        return (*lead, -(-rows // self.block[0]), -(-cols // self.block[1]))
+
+    def stored_bytes(self, shape: tuple[int, ...]) -> int:
+        """Bytes of codes and scales of a box of `shape` values."""
+        return math.prod(self.code_shape(shape)) + math.prod(self.grid_shape(shape)) * self.scale_bytes
 
     def dense_bytes(self, shape: tuple[int, ...], dtype: torch.dtype) -> int:
         """What `Resident.dense` holds at its peak for one use of a box of `shape` (its last two
@@ -75,9 +82,9 @@ class Format:
         (memory/plan.py); tests/memory/test_resident_plan.py measures it against live tensors. The
         forward's and the backward's uses never overlap (nothing of W is saved)."""
         rows, cols = shape[-2:]
-        (bm, bn), grid_rows, grid_cols = self.block, -(-rows // self.block[0]), -(-cols // self.block[1])
-        code_bytes = rows * (cols if self.kind == "fp8" else -(-cols // 2))
-        values = rows * (cols if self.kind == "fp8" else 2 * -(-cols // 2))
+        (bm, bn), code_bytes = self.block, math.prod(self.code_shape((rows, cols)))
+        grid_rows, grid_cols = self.grid_shape((rows, cols))
+        values = code_bytes if self.kind == "fp8" else 2 * code_bytes
         grid = grid_rows * grid_cols if rows % bm == 0 and cols % bn == 0 else rows * grid_cols * bn
         lookup = 4 * code_bytes + values * dtype.itemsize
         return max(lookup, (2 * values + grid) * dtype.itemsize)

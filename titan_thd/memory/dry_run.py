@@ -97,10 +97,7 @@ def fill_resident(model: nn.Module, device: torch.device) -> int:
     every fake-process-group value is; only the shapes and bytes matter). Returns the bytes."""
     total = 0
     for r in residents(model).values():
-        *lead, rows, cols = r.shape
-        bm, bn = r.fmt.block
-        codes = (*lead, rows, cols if r.fmt.kind == "fp8" else -(-cols // 2))
-        grid = (*lead, -(-rows // bm), -(-cols // bn))
+        codes, grid = r.fmt.code_shape(r.shape), r.fmt.grid_shape(r.shape)
         # e4m3 bytes below 0x78 are finite (0x7f / 0xff are NaN); FP4 uses every nibble
         r.codes = torch.randint(
             0, 0x78 if r.fmt.kind == "fp8" else 256, codes, dtype=torch.uint8, device=device

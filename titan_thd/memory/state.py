@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -83,11 +83,11 @@ class ResidentBytes:
 
 def resident_bytes(boxes: Mapping[str, tuple[Format, tuple[int, ...]]]) -> ResidentBytes:
     """Codes, scales and values of {key: (Format, local shape)} (`resident_boxes`): each box's
-    `Format.stored_bytes`, the codes alone as that format without scale bytes."""
+    `Format.stored_bytes`, of which `Format.code_shape`'s bytes are codes."""
     codes = scales = values = 0
     kinds: dict[str, int] = {}
     for fmt, shape in boxes.values():
-        stored, only_codes = fmt.stored_bytes(shape), replace(fmt, scale_bytes=0).stored_bytes(shape)
+        stored, only_codes = fmt.stored_bytes(shape), math.prod(fmt.code_shape(shape))
         codes, scales, values = codes + only_codes, scales + stored - only_codes, values + math.prod(shape)
         kinds[fmt.kind] = kinds.get(fmt.kind, 0) + stored
     return ResidentBytes(codes, scales, values, tuple(sorted(kinds.items())))

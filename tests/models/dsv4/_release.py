@@ -102,3 +102,15 @@ def write_release(
     assert len(files) > 2, files
     (out / "config.json").write_text(json.dumps(release_config(args, layout46=layout46, block=block)))
     return out
+
+
+def write_micro_release(out: Path, block: tuple[int, int], seed: int = 7) -> Path:
+    """The dsv4 `micro` flavor's weights drawn from `seed`, written to `out` in the release's format
+    with FP8 blocks of `block` (16 x 16 lets the micro model's tensor-parallel cuts fall on blocks)."""
+    from titan_thd.models import get_model_spec
+
+    spec = get_model_spec("dsv4")
+    args = spec.flavors["micro"]
+    model = spec.build(args)
+    model.init_weights(seed)
+    return write_release(model, args, out, block=block)
