@@ -150,12 +150,15 @@ def resolve_lora(
 def attach(model: nn.Module, plan: LoRAPlan) -> list[str]:
     """Add the planned adapters to every block of `model` (on its device, in its dtype, uninitialised:
     the seeded init fills them), freeze every other parameter; returns the adapted modules' names."""
-    adapted = []
-    for where, block in _blocks(model).items():
+    adapted, blocks = [], _blocks(model)
+    for where, block in blocks.items():  # every target checked before anything is attached
+        for name in plan.targets:
+            target = plan.family.targets[name]
+            check_projection(name, where, target, block.get_submodule(target.module))
+    for where, block in blocks.items():
         for name in plan.targets:
             target = plan.family.targets[name]
             module = block.get_submodule(target.module)
-            check_projection(name, where, target, module)
             for p in target.params:
                 a_name, b_name = ADAPTERS[p]
                 w = module.get_parameter(p)

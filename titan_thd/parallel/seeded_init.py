@@ -1,8 +1,8 @@
 """Initialisation as a function of the seed alone, drawn shard by shard: the same weights on every layout,
 and no rank ever holds more than its own shards plus one bounded block.
 
-    init_seeded(model, seed, rules)     # rules: {fqn: InitRule}, every parameter and buffer named
-                                        # (a LoRA adapter's come from its module's PAIRS: adapter_rules)
+    init_seeded(model, seed, rules)     # rules: {fqn: InitRule} of every parameter and buffer of the
+                                        # model's own; LoRA adapters' from each module's PAIRS
 
 A model built on the meta device, cut into its pipeline stages and sharded (FSDP, TP, EP: DTensors),
 then allocated with `to_empty`, is filled here in place. Each tensor is cut along its first dimension
