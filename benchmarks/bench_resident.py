@@ -1,4 +1,4 @@
-"""A LoRA run's frozen base kept as released (`--lora.base_dtype released`, lora/resident.py) against
+"""A LoRA run's frozen base kept as released (`--lora.base_dtype released`, models/packed_weight.py) against
 the same base dequantised into float32 on load (`master`, the default): peak RSS, time to the first
 step, step time and bytes read per rank, and the losses of both, on one process and on 4 ranks.
 
@@ -26,7 +26,7 @@ would shard. A run that fails is a row of the table with its first error line; t
 
 Each rank runs under a probe (this file with `--probe`) that records, per rank: VmHWM before the
 first step and at the end (peak RSS), seconds from the launch (python or torchrun) to the end of the
-first step, each step's seconds and loss, the seconds spent in `Resident.dense` (the per-use
+first step, each step's seconds and loss, the seconds spent in `PackedWeight.dense` (the per-use
 dequantisation) per step, and the trainer's "loaded N tensors, read X of the folder's Y MB" line.
 Step time: the median of the steps after the first. The ranks share the machine's cores (`OMP_NUM_THREADS` = `--threads` / ranks, at least 1), as
 on a CPU box. On a machine shared with other work pass `--threads 1`: a process with 2 OMP threads
@@ -176,7 +176,7 @@ def probe(argv: list[str]) -> int:
     """Run the trainer (`titan_thd.train.main(argv)`) with its steps and its dequantisation timed;
     each rank writes `$BENCH_OUT/rank<r>.json` (module doc)."""
     import titan_thd.train as tr
-    from titan_thd.lora import resident
+    from titan_thd.models import packed_weight
 
     launched = float(os.environ["BENCH_LAUNCH"])
     rank = int(os.environ.get("RANK", "0"))
@@ -190,7 +190,7 @@ def probe(argv: list[str]) -> int:
                 rec["tensors"], rec["read_mb"], rec["folder_mb"] = int(m[1]), float(m[2]), float(m[3])
 
     logging.getLogger("titan_thd").addHandler(Loaded())
-    dense = resident.Resident.dense
+    dense = packed_weight.PackedWeight.dense
 
     def timed_dense(self, *a, **k):
         t0 = time.perf_counter()
@@ -199,7 +199,7 @@ def probe(argv: list[str]) -> int:
         finally:
             dequant[0] += time.perf_counter() - t0
 
-    resident.Resident.dense = timed_dense
+    packed_weight.PackedWeight.dense = timed_dense
     step = tr.Trainer.train_step
 
     def timed_step(self, *a, **k):

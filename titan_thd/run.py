@@ -25,9 +25,9 @@ from titan_thd.data.dataloader import DataLayout
 from titan_thd.data.plan import attention_cost_weight
 from titan_thd.data.rows import RowRule
 from titan_thd.data.tokenizer import Tokenizer
-from titan_thd.lora.resident import Format
 from titan_thd.lora.targets import LoRAPlan, attach, init_adapters
 from titan_thd.models.compile import CompileDecision
+from titan_thd.models.hf.quant import Format
 from titan_thd.models.spec import ModelSpec
 from titan_thd.parallel.context_parallel import CPMode
 from titan_thd.parallel.parallel_dims import ParallelDims
@@ -76,7 +76,7 @@ class Run:
     """The `[lora]` adapters resolved against the model (lora/targets.py); None = full fine-tuning."""
     resident: dict[str, Format]
     """lora.base_dtype = released: {key: how the folder stores it} of the frozen weights kept as
-    released, codes + scales (lora/resident.py); empty otherwise."""
+    released, codes + scales (models/packed_weight.py); empty otherwise."""
     settings: dict[str, Any]
     """What the run trains, stored in checkpoints and run.json (components/run_settings.py), with the
     frozen base's fingerprint under `lora.base` in a LoRA run: a resume against another base is refused."""

@@ -36,11 +36,12 @@ from titan_thd.config import Config, validate
 from titan_thd.data.rows import row_rule
 from titan_thd.data.stores import check_validation_path
 from titan_thd.data.tokenizer import Tokenizer, build_tokenizer
-from titan_thd.lora.resident import Format, resident_plan
 from titan_thd.lora.targets import LoRAPlan, attach, resolve_lora
 from titan_thd.models import get_model_args, get_model_spec, hf
 from titan_thd.models.compile import has_cpp_compiler, resolve_compile
 from titan_thd.models.hf import io as hf_io
+from titan_thd.models.hf.quant import Format
+from titan_thd.models.packed_weight import packed_plan
 from titan_thd.models.spec import ModelSpec
 from titan_thd.parallel.activation_checkpoint import validate_activation_checkpoint
 from titan_thd.parallel.context_parallel import (
@@ -176,7 +177,7 @@ def _resolve_resident(
     frozen = {k: tuple(p.shape) for k, p in model.named_parameters() if not p.requires_grad}
     path, released = cfg.model.hf_path, spec.hf.released if spec.hf is not None else None
     if path:
-        plan = resident_plan(hf.folder_sources(spec, model_args, path)[1], set(frozen))
+        plan = packed_plan(hf.folder_sources(spec, model_args, path)[1], set(frozen))
         if not plan:
             raise ValueError(
                 f"lora.base_dtype = 'released': model.hf_path = {path!r} stores no block-quantised weight "

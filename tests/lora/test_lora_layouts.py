@@ -39,8 +39,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from tests import _tiny_llama
 from tests.test_train_compose import CP2, EP2, HSDP, PP2, SCHEDULE, TP2, _compare, _env, _spawn, config
-from titan_thd.lora.resident import residents
 from titan_thd.lora.targets import adapter_names, is_adapter
+from titan_thd.models.packed_weight import packed_weights
 from titan_thd.parallel.shards import canonical_name
 from titan_thd.startup import resolve_run
 from titan_thd.train import Trainer
@@ -108,7 +108,7 @@ def _placements(model: nn.Module) -> list[tuple[str, int, dict, dict, dict]]:
     out = []
     for mname, module in model.named_modules():
         for base, (a_name, b_name) in adapter_names(module).items():
-            p = getattr(module, base)  # a parameter, or a base kept as released (lora/resident.py)
+            p = getattr(module, base)  # a parameter, or a base kept as released (models/packed_weight.py)
             if not isinstance(p, torch.Tensor):
                 continue
             A, B = module.get_parameter(a_name), module.get_parameter(b_name)
@@ -146,7 +146,7 @@ def train(dump: Path, model: str, steps: int, *extra: str) -> dict:
         init = _adapters(trainer.model)
         trainer.train()
         placements = _placements(trainer.model)
-        kept = len(residents(trainer.model))
+        kept = len(packed_weights(trainer.model))
     finally:
         trainer.close()
     return {

@@ -1,4 +1,4 @@
-"""The frozen base kept as released (`lora.base_dtype = "released"`, lora/resident.py) equals the same
+"""The frozen base kept as released (`lora.base_dtype = "released"`, models/packed_weight.py) equals the same
 base dequantised up front, in float64.
 
 The folder: the dsv4 micro flavor's seeded weights written in the release's format
@@ -7,7 +7,7 @@ routed experts packed FP4 with 1 x 32 e8m0 scales), with FP8 blocks of 16 x 16 s
 parallel cuts of a model this small fall on whole blocks (the release's 128 x 128 are checked by the
 unit tests and refused on a cut that splits them).
 
-- `Resident.dense` of any block-aligned box equals models/dsv4/hf_dequant.py's dequantisation of that
+- `PackedWeight.dense` of any block-aligned box equals models/dsv4/hf_dequant.py's dequantisation of that
   box (the loader's, checked against transformers' reading by tests/models/dsv4/test_hf_fp8.py),
   bitwise, partial edge blocks too; in bfloat16 too (an e4m3 / e2m1 value times a power of two is a
   bfloat16: no rounding).
@@ -35,12 +35,12 @@ from tests.lora.test_lora_layouts import COMMON, EP, GPIPE, LORA, _check_adapter
 from tests.models.dsv4._release import write_micro_release
 from tests.test_train_compose import CP2, HSDP, PP2, TP2, _compare, _spawn, config
 from tests.test_train_layouts import records
-from titan_thd.lora import resident
-from titan_thd.lora.resident import Format, Resident
-from titan_thd.models import get_model_spec
+from titan_thd.models import get_model_spec, packed_weight
 from titan_thd.models.dsv4.hf_dequant import quantized_sources
 from titan_thd.models.hf.export import export
 from titan_thd.models.hf.io import SafetensorsFolder
+from titan_thd.models.hf.quant import Format
+from titan_thd.models.packed_weight import PackedWeight
 from titan_thd.startup import resolve_run
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
@@ -60,9 +60,9 @@ def _sources(folder: Path):
     return stored, sources
 
 
-def _resident(stored: SafetensorsFolder, key: str, source, box) -> Resident:
-    fmt = resident.fmt_of(source)
-    r = Resident(key, fmt, tuple(s.stop - s.start for s in box), box)
+def _resident(stored: SafetensorsFolder, key: str, source, box) -> PackedWeight:
+    fmt = source.format
+    r = PackedWeight(key, fmt, tuple(s.stop - s.start for s in box), box)
     r.codes, r.scale = source.read_codes(stored, box)
     return r
 
@@ -114,7 +114,7 @@ def test_the_autograd_functions_save_nothing_of_w_and_give_ws_gradients(folder):
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        y = resident.base_linear(x, w)
+        y = packed_weight.base_linear(x, w)
     assert all(s != tuple(W.shape) for s in saved), saved  # W is not kept for the backward
     dy = torch.randn_like(y)
     (gx,) = torch.autograd.grad(y, x, dy)
@@ -125,16 +125,14 @@ def test_the_autograd_functions_save_nothing_of_w_and_give_ws_gradients(folder):
     parts = [sources[f"layers.1.ffn.experts.{e}.w1.weight"] for e in range(4)]
     inner = tuple(slice(0, n) for n in parts[0].shape)
     pairs = [p.read_codes(stored, inner) for p in parts]
-    r = Resident(
-        "layers.1.ffn.experts.w1", resident.fmt_of(parts[0]), (4, *parts[0].shape), (slice(0, 4), *inner)
-    )
+    r = PackedWeight("layers.1.ffn.experts.w1", parts[0].format, (4, *parts[0].shape), (slice(0, 4), *inner))
     r.codes, r.scale = torch.stack([c for c, _ in pairs]), torch.stack([s for _, s in pairs])
     Ws = [p.read(stored, inner).double() for p in parts]
     counts = [2, 0, 3, 1]
     x = torch.randn(sum(counts), Ws[0].shape[1], dtype=torch.float64, requires_grad=True)
     saved.clear()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        y = resident.base_grouped(x, counts, r)
+        y = packed_weight.base_grouped(x, counts, r)
     assert all(s[-2:] != tuple(Ws[0].shape) for s in saved), saved
     dy = torch.randn_like(y)
     (gx,) = torch.autograd.grad(y, x, dy)
@@ -223,19 +221,19 @@ def test_bad_input_is_one_line(folder, tmp_path):
 
 def test_a_cut_inside_a_scale_block_is_refused_with_the_degrees_that_serve_it():
     fp8 = Format("fp8", (128, 128), 1)
-    resident.check_box("w", fp8, (1024, 512), (slice(0, 512), slice(0, 512)), "tp 2")  # whole blocks
-    resident.check_box("w", fp8, (1000, 512), (slice(896, 1000), slice(0, 512)), "tp 2")  # the end
+    packed_weight.check_box("w", fp8, (1024, 512), (slice(0, 512), slice(0, 512)), "tp 2")  # whole blocks
+    packed_weight.check_box("w", fp8, (1000, 512), (slice(896, 1000), slice(0, 512)), "tp 2")  # the end
     with pytest.raises(ValueError) as e:
-        resident.check_box(
+        packed_weight.check_box(
             "layers.0.attn.wq_b.weight", fp8, (384, 64), (slice(192, 384), slice(0, 64)), "tp 2"
         )
     msg = str(e.value)
     assert "layers.0.attn.wq_b.weight [384, 64] is cut at rows [192, 384) of 384" in msg, msg
     assert "scale blocks of 128 x 128" in msg and "[1, 3]" in msg and "tp 2" in msg, msg
     fp4 = Format("fp4", (1, 32), 1)
-    resident.check_box("e", fp4, (4, 64, 96), (slice(0, 2), slice(0, 64), slice(32, 64)), "ep 2, tp 3")
+    packed_weight.check_box("e", fp4, (4, 64, 96), (slice(0, 2), slice(0, 64), slice(32, 64)), "ep 2, tp 3")
     with pytest.raises(ValueError, match=r"columns \[0, 48\) of 96 .* 1 x 32; .*\[1, 3\]"):
-        resident.check_box("e", fp4, (4, 64, 96), (slice(0, 2), slice(0, 64), slice(0, 48)), "tp 2")
+        packed_weight.check_box("e", fp4, (4, 64, 96), (slice(0, 2), slice(0, 64), slice(0, 48)), "tp 2")
 
 
 def test_mixed_bf16_on_the_resident_base_equals_the_dequantised_base(folder, tmp_path):

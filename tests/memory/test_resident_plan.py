@@ -1,14 +1,14 @@
 """The memory plan (memory/plan.py, memory/state.py) of a LoRA run whose frozen base stays as released
-(`lora.base_dtype = "released"`, lora/resident.py), against independent counts:
+(`lora.base_dtype = "released"`, models/packed_weight.py), against independent counts:
 
 - the stored bytes per rank equal a count by hand (codes: 1 B per FP8 value, 0.5 B per FP4 value;
   one scale byte per 16 x 16 FP8 block and per 1 x 32 FP4 block) over the local shapes written out
-  here for the dsv4 micro flavor under ep 2, tp 2, tp 2 x ep 2 and pp 2, and the `Resident` boxes of
+  here for the dsv4 micro flavor under ep 2, tp 2, tp 2 x ep 2 and pp 2, and the `PackedWeight` boxes of
   the model the trainer's own `build` cuts on a fake process group (tp: the plan counts before the
   tp split, as all its figures, an upper bound of the real boxes);
 - none of it is in the FSDP-sharded parameters: the master-base plan of the same layout holds
   exactly those values more, in the master dtype, sharded;
-- one `Resident.dense` holds at its peak what `Format.dense_bytes` says (live tensors): the larger of its
+- one `PackedWeight.dense` holds at its peak what `Format.dense_bytes` says (live tensors): the larger of its
   byte lookup (an int32 index per code byte and the values) and its scaling (the values, the scale
   grid, expanded where the box ends on a partial block, and the product);
 - a real one-process LoRA run on a release-format folder allocates the planned codes and scales,
@@ -27,11 +27,12 @@ import torch
 
 from tests.models.dsv4._release import write_micro_release
 from titan_thd.config import load_config
-from titan_thd.lora.resident import Format, Resident, residents
 from titan_thd.memory.dry_run import fill_resident
 from titan_thd.memory.live import LiveBytes
 from titan_thd.memory.plan import plan_memory
 from titan_thd.memory.state import local_numel, resident_bytes, size
+from titan_thd.models.hf.quant import Format
+from titan_thd.models.packed_weight import PackedWeight, packed_weights
 from titan_thd.parallel import distributed
 from titan_thd.parallel.fsdp import build_on_meta
 from titan_thd.pipeline.runner import build
@@ -116,14 +117,14 @@ def _by_hand(model, ep: int, tp: int, layers: set[str] | None) -> tuple[int, int
     return codes, scales, values
 
 
-def _built_on_fake_world(run, world: int) -> dict[str, Resident]:
-    """Rank 0's `Resident`s as the trainer's `build` cuts the meta model on a fake process group."""
+def _built_on_fake_world(run, world: int) -> dict[str, PackedWeight]:
+    """Rank 0's `PackedWeight`s as the trainer's `build` cuts the meta model on a fake process group."""
     distributed.init_fake(world)
     try:
         run.dims.build_meshes("cpu")
         model = build_on_meta(run.build_model).to(run.precision.master)
         parts = build(model, run, torch.device("cpu"), init=None)
-        found = residents(parts.module)
+        found = packed_weights(parts.module)
         filled = fill_resident(parts.module, torch.device("cpu"))  # the dry run's step
         assert filled == sum(r.stored_bytes for r in found.values())
         for r in found.values():
@@ -196,7 +197,7 @@ DENSE = {  # (block, shape whole on blocks, shape ending on partial blocks)
 def test_one_dequantisation_holds_what_the_plan_counts(kind, dtype, edge):
     block, whole, partial = DENSE[kind]
     shape = whole if edge == "whole" else partial
-    r = Resident("w", Format(kind, block, 1), shape, tuple(slice(0, n) for n in shape))
+    r = PackedWeight("w", Format(kind, block, 1), shape, tuple(slice(0, n) for n in shape))
     *lead, rows, cols = shape
     r.codes = torch.randint(0, 0x78, (*lead, rows, cols if kind == "fp8" else cols // 2), dtype=torch.uint8)
     r.scale = torch.full((*lead, -(-rows // block[0]), -(-cols // block[1])), 127, dtype=torch.uint8)
@@ -222,7 +223,7 @@ def test_a_one_process_run_allocates_the_plan_and_peaks_where_it_says(folder, tm
     trainer = Trainer(resolve_run(cfg))
     try:
         (plan,) = trainer.memory.ranks
-        found = residents(trainer.model)
+        found = packed_weights(trainer.model)
         allocated = [t for r in found.values() for t in (r.codes, r.scale)]
         assert sum(t.nbytes for t in allocated) == plan.state.resident.total > 0
         assert sum(r.codes.nbytes for r in found.values()) == plan.state.resident.codes

@@ -2,7 +2,8 @@
 the guide's own Hugging Face adapter (docs/adding_a_model.md §6, its code block run as written),
 registered like a family; the generic door then exports it and loads it back bitwise, checks a
 folder against a flavor, and names transformers' modules, with no other Hugging Face code written
-for it."""
+for it. Its projection follows docs/adding_a_model.md §7 (`models/projection.Linear`), so `[lora]`
+adapts it; the same family built on a plain `nn.Linear` is refused at start-up in one line."""
 
 from __future__ import annotations
 
@@ -18,7 +19,9 @@ import torch
 from torch import nn
 
 import titan_thd.models
+from titan_thd.lora.targets import LoRAPlan, attach, init_adapters, resolve_lora
 from titan_thd.models import get_model_spec, hf
+from titan_thd.models.projection import Linear, LoRATargets, Target
 from titan_thd.models.spec import ModelSpec, ParallelSpec, build_initialised
 
 GUIDE = Path(__file__).resolve().parents[2] / "docs" / "adding_a_model.md"
@@ -32,20 +35,20 @@ class ToyArgs:
 
 
 class Block(nn.Module):
-    def __init__(self, dim: int):
+    def __init__(self, dim: int, linear: type[nn.Linear] = Linear):
         super().__init__()
-        self.proj = nn.Linear(dim, dim, bias=False)
+        self.proj = linear(dim, dim, bias=False)  # a projection (docs/adding_a_model.md §7)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.proj(torch.relu(x))
 
 
 class Toy(nn.Module):
-    def __init__(self, args: ToyArgs):
+    def __init__(self, args: ToyArgs, linear: type[nn.Linear] = Linear):
         super().__init__()
         self.args = args
         self.embed = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict({str(i): Block(args.dim) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict({str(i): Block(args.dim, linear) for i in range(args.n_layers)})
         self.norm = nn.RMSNorm(args.dim)
         self.head = nn.Linear(args.dim, args.vocab_size, bias=False)
 
@@ -70,6 +73,9 @@ def guide_adapter():
     return namespace["HF"]
 
 
+TOY_LORA = LoRATargets(targets={"mlp.proj": Target("proj")}, groups={"mlp": ("mlp.proj",)})
+
+
 @pytest.fixture
 def toy(monkeypatch):
     """The family registered as the guide says: a package exposing `spec`, its name a model name."""
@@ -80,6 +86,7 @@ def toy(monkeypatch):
         flops_per_step=lambda args, lengths: 6.0 * sum(lengths) * args.dim * args.dim * args.n_layers,
         parallel=ParallelSpec(cp_mode="zigzag"),
         hf=guide_adapter(),
+        lora=TOY_LORA,
     )
     package = types.ModuleType("titan_thd.models.toy")
     package.spec = spec
@@ -113,3 +120,35 @@ def test_a_toy_family_round_trips_through_the_guides_adapter(toy, tmp_path):
     assert toy.hf.hf_module("layers.0.proj") == "model.layers.0.mlp.down_proj"
     with pytest.raises(ValueError, match="no transformers module"):
         toy.hf.hf_module("layers.0")
+
+
+def test_lora_adapts_the_toy_familys_projection_and_refuses_a_plain_linear(toy):
+    args = toy.flavors["small"]
+    with torch.device("meta"):  # what start-up resolves against: shapes only
+        meta = toy.build(args)
+    plan = resolve_lora(["mlp"], 4, 8.0, False, toy.lora, meta, "toy/small")
+    assert plan.targets == ("mlp.proj",)
+
+    torch.manual_seed(0)
+    model = toy.build(args)
+    tokens = torch.tensor([1, 5, 9, 2])
+    base = model(tokens)
+    assert attach(model, plan) == ["layers.0.proj", "layers.1.proj"]
+    init_adapters(model, seed=3)
+    assert torch.equal(model(tokens), base)  # B = 0: the base model exactly
+    with torch.no_grad():
+        model.layers["1"].proj.lora_B.fill_(0.5)
+    assert not torch.allclose(model(tokens), base)  # the projection's forward reads its adapter
+
+    with torch.device("meta"):
+        plain = Toy(args, linear=nn.Linear)
+    refusal = (
+        r"^lora.targets: 'mlp.proj' is layers.0.proj, a torch.nn.modules.linear.Linear adapting \['weight'\], "
+        r"not a projection whose forward reads an adapter; build it as titan_thd.models.projection.Linear .*"
+        r"docs/adding_a_model.md §7$"
+    )
+    with pytest.raises(ValueError, match=refusal):
+        resolve_lora(["mlp"], 4, 8.0, False, toy.lora, plain, "toy/small")
+    with pytest.raises(ValueError, match=refusal):
+        attach(plain, LoRAPlan(("mlp.proj",), toy.lora, 4, 8.0, False))
+    assert not any("lora" in name for name, _ in plain.named_parameters())  # refused before attaching

@@ -1,4 +1,4 @@
-"""Step 6 of the check: a LoRA base kept as released (lora/resident.py) computes on the device what it
+"""Step 6 of the check: a LoRA base kept as released (models/packed_weight.py) computes on the device what it
 computes on the CPU.
 
 Flash-width weights as the release stores them, with random codes and power-of-two scales: an FP8 e4m3
@@ -19,26 +19,26 @@ import torch
 import torch.nn.functional as F
 
 from titan_thd.check.steps import Context, Outcome, Step
-from titan_thd.lora.resident import Format, Resident, base_grouped, base_linear
+from titan_thd.models.hf.quant import Format
+from titan_thd.models.packed_weight import PackedWeight, base_grouped, base_linear
 
 
-def _resident(kind: str, shape: tuple[int, ...], g: torch.Generator) -> Resident:
-    """A resident weight of random codes (no NaN code) and power-of-two scales 2^-8 .. 2^-4."""
+def _packed(kind: str, shape: tuple[int, ...], g: torch.Generator) -> PackedWeight:
+    """A packed weight of random codes (no NaN code) and power-of-two scales 2^-8 .. 2^-4."""
     fmt = Format("fp8", (128, 128), 1) if kind == "fp8" else Format("fp4", (1, 32), 1)
     *lead, rows, cols = shape
-    r = Resident(kind, fmt, shape, tuple(slice(0, n) for n in shape))
+    r = PackedWeight(kind, fmt, shape, tuple(slice(0, n) for n in shape))
     if kind == "fp8":
         values = torch.randn(*lead, rows, cols, generator=g) * 64
         r.codes = values.clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
     else:
         r.codes = torch.randint(0, 256, (*lead, rows, cols // 2), generator=g, dtype=torch.uint8)
-    grid = (*lead, -(-rows // fmt.block[0]), -(-cols // fmt.block[1]))
-    r.scale = torch.randint(127 - 8, 127 - 3, grid, generator=g, dtype=torch.uint8)
+    r.scale = torch.randint(127 - 8, 127 - 3, fmt.grid_shape(shape), generator=g, dtype=torch.uint8)
     return r
 
 
-def _on(r: Resident, device: torch.device) -> Resident:
-    out = Resident(r.key, r.fmt, r.shape, r.box)
+def _on(r: PackedWeight, device: torch.device) -> PackedWeight:
+    out = PackedWeight(r.key, r.fmt, r.shape, r.box)
     out.codes, out.scale = r.codes.to(device), r.scale.to(device)
     return out
 
@@ -71,7 +71,7 @@ def run(ctx: Context) -> Outcome:
     # Flash's wq_b and one layer's w1 stack at full scale (CUDA), a small width on the CPU.
     T, dense, experts = (4096, (32768, 1024), (32, 2048, 4096)) if ctx.gpu else (64, (256, 128), (4, 64, 128))
     counts = [T // experts[0]] * experts[0]
-    w, e = _resident("fp8", dense, g), _resident("fp4", experts, g)
+    w, e = _packed("fp8", dense, g), _packed("fp4", experts, g)
     cases = {
         "fp8 linear": (w, lambda r: lambda x: base_linear(x, r), (T, dense[1]), (T, dense[0])),
         "fp4 experts": (e, lambda r: lambda x: base_grouped(x, counts, r), (T, experts[2]), (T, experts[1])),

@@ -220,7 +220,7 @@ class LoRA:
     """How the frozen base is held. `master`: in the master dtype, like a trained weight. `released`:
     as the model.hf_path folder stores it, FP8 e4m3 blocks and packed FP4 experts as codes + scales
     (1 and 0.5 bytes per value; Flash's base 158 GB instead of 1.14 TB), dequantised per use in the
-    forward and the backward (lora/resident.py); needs lora.enable and a block-quantised folder
+    forward and the backward (models/packed_weight.py); needs lora.enable and a block-quantised folder
     (DeepSeek's release format)."""
 
 

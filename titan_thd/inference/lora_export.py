@@ -35,6 +35,7 @@ from titan_thd.lora.targets import adapter_names, is_adapter
 from titan_thd.models.hf.io import DTYPES
 from titan_thd.models.hf.load import folder_sources
 from titan_thd.models.hf.write import DcpSource
+from titan_thd.models.projection import SCALING
 from titan_thd.parallel.fsdp import build_on_meta
 from titan_thd.parallel.seeded_init import init_tensor
 from titan_thd.run import Run
@@ -116,7 +117,7 @@ def _adapter_entries(meta: nn.Module) -> dict[str, tuple[str, str, float]]:
     out = {}
     for name, module in meta.named_modules():
         for base, (a, b) in adapter_names(module).items():
-            out[f"{name}.{base}"] = (f"{name}.{a}", f"{name}.{b}", module.lora_scaling)
+            out[f"{name}.{base}"] = (f"{name}.{a}", f"{name}.{b}", getattr(module, SCALING))
     return out
 
 

@@ -3,7 +3,7 @@ FP8 / FP4 codes, where an update of 1e-3 of a weight's scale rounds to nothing).
 
     merged_weight(W, A, B, s)              # one tensor: [.., out, in] + s * [.., out, r] @ [.., r, in]
     merge_(model)                          # in place on a whole model; the adapters are removed
-    base_name(name) / adapters_of(names)   # which adapter tensors belong to which base tensor
+    adapter_pair(base)                     # the (A, B) tensor names of a base tensor's adapter
 """
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from titan_thd.lora.layers import PAIRS, SCALING
 from titan_thd.lora.targets import adapter_names, is_adapter
+from titan_thd.models.projection import SCALING
+from titan_thd.parallel.shards import PAIRS
 
 # Our adapter tensor's last name -> (base parameter it updates, A's name, B's name).
 _OF_BASE = {

@@ -1,57 +1,37 @@
 """Which projections a family can adapt, the `[lora]` targets resolved against it, and the adapters
 attached to a model (on the meta device, before it is cut and sharded).
 
-A family names its targets exactly, as a path inside each block of its `layers` (never a loose
-suffix match: dsv4's indexer has a `wq_b` too, and `attn.wq_b` is not `attn.indexer.wq_b`):
+A family names its targets exactly (`ModelSpec.lora`, a `LoRATargets` of models/projection.py), as a
+path inside each block of its `layers` (never a loose suffix match: dsv4's indexer has a `wq_b` too,
+and `attn.wq_b` is not `attn.indexer.wq_b`), each a projection of models/projection.py:
 
     LoRATargets(targets={"attention.wq_a": Target("attn.wq_a"), ...,
                          "experts.w13": Target("ffn.experts", ("w1", "w3"))},
                 groups={"attention": ("attention.wq_a", ...)})
 
-    plan = resolve_lora(cfg.lora, spec.lora, model)    # start-up: ValueError naming field, value, choices
-    attach(model, plan)                                 # adapters on every block, the base frozen
+    c = cfg.lora   # start-up: ValueError naming field, value, choices
+    plan = resolve_lora(c.targets, c.rank, c.alpha, c.rslora, spec.lora, model, label)
+    attach(model, plan)                     # adapters on every block, the base frozen
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from titan_thd.lora.layers import PAIRS, SCALING, scaling
-from titan_thd.lora.resident import residents
-from titan_thd.parallel.seeded_init import init_tensor
-from titan_thd.parallel.shards import canonical_name
+from titan_thd.models.packed_weight import packed_weights
+from titan_thd.models.projection import ADAPTERS, SCALING, LoRATargets, Target, is_projection
+from titan_thd.parallel.seeded_init import adapter_rules, init_tensor
+from titan_thd.parallel.shards import PAIRS, canonical_name
 
 
-@dataclass(frozen=True)
-class Target:
-    module: str
-    """The module's path inside a block (`attn.wq_a`), an `nn.Linear` or a routed-experts module."""
-    params: tuple[str, ...] = ("weight",)
-    """The base parameters adapted: ("weight",) for a linear; ("w1", "w3") (one A shared, as PEFT's
-    fused gate_up_proj) or ("w2",) for the stacked routed experts [E, out, in]."""
-    peft_param: str = ""
-    """For a stacked target: the name of the Hugging Face model's 3-D parameter it adapts (PEFT's
-    `target_parameters`, e.g. `gate_up_proj`); "" for a linear module (PEFT's `target_modules`)."""
-
-
-@dataclass(frozen=True)
-class LoRATargets:
-    """A family's adaptable projections (`ModelSpec.lora`)."""
-
-    targets: dict[str, Target]
-    """Qualified target name -> where it is in a block of the model's `layers`."""
-    groups: dict[str, tuple[str, ...]]
-    """Group name (what `lora.targets` usually lists) -> its qualified targets."""
-    notes: dict[str, str] = field(default_factory=dict)
-    """Qualified target -> what a user must know (shown by --help), e.g. what cannot be exported."""
-
-    def choices(self) -> list[str]:
-        return [*self.groups, *self.targets]
+def scaling(alpha: float, rank: int, rslora: bool) -> float:
+    """s = alpha / r, or alpha / sqrt(r) with rsLoRA (PEFT's `use_rslora`)."""
+    return alpha / math.sqrt(rank) if rslora else alpha / rank
 
 
 @dataclass(frozen=True)
@@ -72,8 +52,8 @@ class LoRAPlan:
     def describe(self, model: nn.Module) -> str:
         """The header's line: the adapters and what trains of this rank's shards."""
         trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        # a base kept as released is no parameter (lora/resident.py): its values count too
-        kept = sum(math.prod(r.shape) for r in residents(model).values())
+        # a base kept as released is no parameter (models/packed_weight.py): its values count too
+        kept = sum(math.prod(w.shape) for w in packed_weights(model).values())
         total = sum(p.numel() for p in model.parameters()) + kept
         s = f"alpha / sqrt(r) = {self.scaling:g}" if self.rslora else f"alpha / r = {self.scaling:g}"
         released = f" ({kept:,} of its values kept as released, FP8 / FP4 codes)" if kept else ""
@@ -81,15 +61,6 @@ class LoRAPlan:
             f"lora: rank {self.rank}, {s}, targets {', '.join(self.targets)}; {trained:,} adapter parameters "
             f"train ({100 * trained / max(1, total):.2f}% of {total:,} here), the base is frozen{released}"
         )
-
-
-# The adapter parameters of each base parameter: (A's name, B's name).
-_LINEAR = {"weight": ("lora_A", "lora_B")}
-_EXPERTS = {
-    "w1": ("lora_A_w13", "lora_B_w1"),
-    "w3": ("lora_A_w13", "lora_B_w3"),
-    "w2": ("lora_A_w2", "lora_B_w2"),
-}
 
 
 def adapter_names(module: nn.Module) -> dict[str, tuple[str, str]]:
@@ -109,6 +80,17 @@ def _blocks(model: nn.Module) -> dict[str, nn.Module]:
 
 def _shape(module: nn.Module, param: str) -> tuple[int, ...]:
     return tuple(module.get_parameter(param).shape)
+
+
+def check_projection(name: str, where: str, target: Target, module: nn.Module) -> None:
+    """ValueError (one line) unless the target's module is a projection that reads its adapters."""
+    if not is_projection(module, target.params):
+        raise ValueError(
+            f"lora.targets: {name!r} is {where}.{target.module}, a {type(module).__module__}."
+            f"{type(module).__qualname__} adapting {list(target.params)}, not a projection whose forward "
+            "reads an adapter; build it as titan_thd.models.projection.Linear (params ('weight',)) or a "
+            "GroupedExperts subclass (its w1 / w2 / w3 stacks), docs/adding_a_model.md §7"
+        )
 
 
 def resolve_lora(
@@ -155,6 +137,7 @@ def resolve_lora(
                 raise ValueError(
                     f"lora.targets: {name!r} needs {where}.{target.module}, which model {label} does not have"
                 ) from None
+            check_projection(name, where, target, module)
             for p in target.params:
                 out, inp = _shape(module, p)[-2:]
                 if min(out, inp) < narrowest[0]:
@@ -170,13 +153,17 @@ def resolve_lora(
 def attach(model: nn.Module, plan: LoRAPlan) -> list[str]:
     """Add the planned adapters to every block of `model` (on its device, in its dtype, uninitialised:
     the seeded init fills them), freeze every other parameter; returns the adapted modules' names."""
-    adapted = []
-    for where, block in _blocks(model).items():
+    adapted, blocks = [], _blocks(model)
+    for where, block in blocks.items():  # every target checked before anything is attached
+        for name in plan.targets:
+            target = plan.family.targets[name]
+            check_projection(name, where, target, block.get_submodule(target.module))
+    for where, block in blocks.items():
         for name in plan.targets:
             target = plan.family.targets[name]
             module = block.get_submodule(target.module)
             for p in target.params:
-                a_name, b_name = (_LINEAR if p == "weight" else _EXPERTS)[p]
+                a_name, b_name = ADAPTERS[p]
                 w = module.get_parameter(p)
                 lead, (out, inp) = tuple(w.shape[:-2]), tuple(w.shape[-2:])
                 if module._parameters.get(a_name) is None:
@@ -192,30 +179,11 @@ def attach(model: nn.Module, plan: LoRAPlan) -> list[str]:
     return adapted
 
 
-def init_rules(model: nn.Module) -> dict[str, Callable[[torch.Tensor, torch.Generator], None]]:
-    """Seeded-init rules of the adapters (parallel/seeded_init.py): A uniform in +-1/sqrt(in-features)
-    (PEFT's default, kaiming-uniform with a = sqrt(5)), B zero, so the first step is the base model."""
-
-    def uniform(bound: float):
-        return lambda t, g: t.uniform_(-bound, bound, generator=g)
-
-    def zero(t, g):
-        t.zero_()
-
-    rules = {}
-    for mname, module in model.named_modules():
-        for a_name, b_name in adapter_names(module).values():
-            A = module.get_parameter(a_name)
-            rules[canonical_name(f"{mname}.{a_name}")] = uniform(A.shape[-1] ** -0.5)
-            rules[canonical_name(f"{mname}.{b_name}")] = zero
-    return rules
-
-
 @torch.no_grad()
 def init_adapters(model: nn.Module, seed: int) -> None:
     """Draw only the adapters (a model whose base weights are already in place), as `init_weights` would."""
     params = dict(model.named_parameters())
-    for fqn, rule in init_rules(model).items():
+    for fqn, rule in adapter_rules(model).items():
         init_tensor(params[fqn], seed, fqn, rule)
 
 

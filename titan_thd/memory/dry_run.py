@@ -16,9 +16,9 @@ import torch
 from torch import nn
 
 from titan_thd.components.optimizer import OptimizersContainer
-from titan_thd.lora.resident import residents
 from titan_thd.memory.live import available_host_bytes
 from titan_thd.memory.plan import MemoryPlan, RankMemory, plan_memory
+from titan_thd.models.packed_weight import packed_weights
 from titan_thd.parallel.fsdp import materialize_sharded
 from titan_thd.run import Run
 
@@ -92,11 +92,11 @@ def materialize(model: nn.Module, device: torch.device, optimizers: OptimizersCo
 
 
 def fill_resident(model: nn.Module, device: torch.device) -> int:
-    """Give every `Resident` (lora/resident.py) of a dry run's model codes and scales of its stored
+    """Give every `PackedWeight` (models/packed_weight.py) of a dry run's model codes and scales of its stored
     shapes: random FP8 / FP4 codes and scales of 2^0 (what the step computes on is meaningless, as
     every fake-process-group value is; only the shapes and bytes matter). Returns the bytes."""
     total = 0
-    for r in residents(model).values():
+    for r in packed_weights(model).values():
         codes, grid = r.fmt.code_shape(r.shape), r.fmt.grid_shape(r.shape)
         # e4m3 bytes below 0x78 are finite (0x7f / 0xff are NaN); FP4 uses every nibble
         r.codes = torch.randint(

@@ -15,9 +15,9 @@ no process group, no built model. Per pipeline rank (docs/design.md §5.3, §5.6
 Counted before tensor parallelism's split (the meta model is not tensor-parallel): under tp > 1 the
 figures are upper bounds, and the lines say so.
 
-A LoRA run whose frozen base stays as released (`run.resident`, lora/resident.py) counts that base at
+A LoRA run whose frozen base stays as released (`run.resident`, models/packed_weight.py) counts that base at
 its stored bytes per rank (codes + scales of the boxes TP / EP give it; FSDP and CP replicate it), and
-its transients: the dequantisation of one matrix (`Format.dense_bytes`, lora/resident.py: its codes looked up and scaled,
+its transients: the dequantisation of one matrix (`Format.dense_bytes`, models/hf/quant.py: its codes looked up and scaled,
 in the compute dtype) and the largest FSDP all-gather, both in the rank's total;
 its `parts_lines` list every part.
 """
@@ -34,7 +34,6 @@ from torch import nn
 
 from titan_thd.components.optimizer import default_matrix_params
 from titan_thd.components.precision import Precision
-from titan_thd.lora.resident import Format
 from titan_thd.memory import activations
 from titan_thd.memory.state import (
     MemoryEstimate,
@@ -43,6 +42,7 @@ from titan_thd.memory.state import (
     resident_boxes,
     size,
 )
+from titan_thd.models.hf.quant import Format
 from titan_thd.parallel.distributed import broadcast_object
 from titan_thd.parallel.parallel_dims import ParallelDims
 from titan_thd.parallel.seeded_init import BLOCK_BYTES

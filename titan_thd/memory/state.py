@@ -6,11 +6,11 @@ tensor parallelism cut it; under pipeline parallelism also what FSDP keeps unsha
 between microbatches (docs/design.md §5.6). `largest_unsharded_unit_bytes` reads a model FSDP has
 already wrapped (what one all-gather materialises). Activations are memory/activations.py's.
 
-A LoRA run's frozen base kept as released (`lora.base_dtype = "released"`, lora/resident.py) is
+A LoRA run's frozen base kept as released (`lora.base_dtype = "released"`, models/packed_weight.py) is
 counted at its stored bytes (`ResidentBytes`: codes + scales of this rank's boxes), never in the
 master dtype: FSDP and CP replicate it, TP and EP cut it as the parameter, it has no gradient, no
 optimizer state and no gathered copy. `resident_boxes` finds those boxes on a built model (its
-`Resident`s) or on a meta one (the run's {key: Format}).
+`PackedWeight`s) or on a meta one (the run's {key: Format}).
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from titan_thd.components.precision import Precision
-from titan_thd.lora.resident import Format, residents
+from titan_thd.models.hf.quant import Format
+from titan_thd.models.packed_weight import packed_weights
 from titan_thd.parallel.parallel_dims import EP_TP_DIMS, ParallelDims
 from titan_thd.parallel.shards import canonical_name
 
@@ -60,7 +61,7 @@ def largest_unsharded_unit_bytes(model: nn.Module) -> int:
 
 @dataclass(frozen=True)
 class ResidentBytes:
-    """One rank's frozen base kept as released (lora/resident.py): its codes and scales as stored."""
+    """One rank's frozen base kept as released (models/packed_weight.py): its codes and scales as stored."""
 
     codes: int = 0
     """FP8 codes (1 B per value) and packed FP4 codes (0.5 B per value)."""
@@ -99,12 +100,12 @@ def resident_boxes(
     resident: Mapping[str, Format] | None = None,
     expert_params: Collection[str] = (),
 ) -> dict[str, tuple[Format, tuple[int, ...]]]:
-    """{key: (Format, this rank's shape)} of the base kept as released: a built model's `Resident`s
+    """{key: (Format, this rank's shape)} of the base kept as released: a built model's `PackedWeight`s
     (their boxes exactly), and the parameters of a meta or sharded model named in `resident` (the
     run's {key: Format}) as TP and EP would cut them: a DTensor's tp / ep share; on a model not yet
     split, routed experts (`expert_params`) 1 / ep of the stack (rank 0's, the largest) and no tp
     split (an upper bound under tp > 1, as every figure of the plan). Never cut by FSDP or CP."""
-    out = {key: (r.fmt, r.shape) for key, r in residents(model).items()}
+    out = {key: (w.fmt, w.shape) for key, w in packed_weights(model).items()}
     if not resident:
         return out
     d = parallel_dims
@@ -280,7 +281,7 @@ def estimate_memory_per_rank(
     unsharded (reduction dtype) between microbatches. On a model not yet expert-parallel, the
     `expert_params` (routed experts) are each held by 1 / ep of the ranks. A tensor-parallel shard
     counts its share of the tp-split dimension; activations are excluded. The frozen base kept as
-    released (a built model's `Resident`s, or the parameters `resident` names on a meta one) counts
+    released (a built model's `PackedWeight`s, or the parameters `resident` names on a meta one) counts
     at its stored bytes (`resident_boxes`), outside the parameters and every FSDP figure.
     """
     if optimizer not in ("adamw", "muon"):

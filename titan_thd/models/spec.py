@@ -26,9 +26,9 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from titan_thd.lora.targets import LoRATargets
 from titan_thd.models.decoding import Decoder
 from titan_thd.models.hf.adapter import HFAdapter
+from titan_thd.models.projection import LoRATargets
 from titan_thd.parallel.context_parallel import CPMode
 
 
@@ -150,7 +150,8 @@ class ModelSpec:
     is refused at start-up."""
     lora: LoRATargets | None = None
     """The projections `[lora]` may adapt, by exact path inside a block, and their groups
-    (lora/targets.py); None = lora.enable = true is refused."""
+    (models/projection.py: each a projection; lora/targets.py resolves them); None = lora.enable =
+    true is refused."""
 
 
 def build_initialised(make: Callable[[], nn.Module]) -> nn.Module:

@@ -35,6 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from titan_thd.parallel.recompute import decided_once
+from titan_thd.parallel.shards import PAIRS
 
 
 def local_expert_ids(n_experts: int, ep: int, ep_rank: int) -> range:
@@ -57,12 +58,12 @@ def apply_ep(moes: list[nn.Module], mesh: DeviceMesh, ep_tp_mesh: DeviceMesh | N
     `[Shard(0), Shard(hidden dim)]`: expert tensor parallelism equal to tp, so the MoE region's
     output stays a partial sum over tp and its reduce-scatter completes it.
 
-    LoRA adapters of the experts (lora/layers.py: [E, ...] stacks, one per expert) travel with their
+    LoRA adapters of the experts (models/projection.py: [E, ...] stacks, one per expert) travel with their
     experts; one that tensor parallelism left whole (A of w1 / w3, B of w2) is `Replicate()` over tp
     and keeps its partial-gradient mark."""
     for moe in moes:
         ids = local_expert_ids(moe.n_experts, mesh.size(), mesh.get_local_rank())
-        adapters = {n for pair in getattr(moe.experts, "lora_pairs", {}).values() for n in pair}
+        adapters = {n for pair in getattr(moe.experts, PAIRS, {}).values() for n in pair}
         for name in (*EXPERT_WEIGHTS, *sorted(adapters)):
             p = getattr(moe.experts, name)
             split_by_tp = isinstance(p, DTensor)

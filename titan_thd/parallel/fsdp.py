@@ -78,7 +78,7 @@ def apply_fsdp(
     else:
         master_dtype_units = ()
 
-    # A LoRA run's base kept as released stays out (lora/resident.py: replicated, never gathered).
+    # A LoRA run's base kept as released stays out (models/packed_weight.py: replicated, never gathered).
     ignored = {getattr(m, n) for m in model.modules() for n in getattr(m, UNSHARDED, ())}
 
     def shard(unit: nn.Module, mesh: DeviceMesh, mp: MixedPrecisionPolicy, placement=None) -> None:

@@ -1,7 +1,8 @@
 """Initialisation as a function of the seed alone, drawn shard by shard: the same weights on every layout,
 and no rank ever holds more than its own shards plus one bounded block.
 
-    init_seeded(model, seed, rules)     # rules: {fqn: InitRule}, every parameter and buffer named
+    init_seeded(model, seed, rules)     # rules: {fqn: InitRule} of every parameter and buffer of the
+                                        # model's own; LoRA adapters' from each module's PAIRS
 
 A model built on the meta device, cut into its pipeline stages and sharded (FSDP, TP, EP: DTensors),
 then allocated with `to_empty`, is filled here in place. Each tensor is cut along its first dimension
@@ -25,7 +26,7 @@ from collections.abc import Callable, Collection, Mapping
 import torch
 from torch import nn
 
-from titan_thd.parallel.shards import canonical_name, local_box
+from titan_thd.parallel.shards import PAIRS, canonical_name, local_box
 
 InitRule = Callable[[torch.Tensor, torch.Generator], None]
 """Fills a block of consecutive rows (first dimension) of a tensor in place from the generator; the
@@ -52,7 +53,9 @@ def init_seeded(
     model: nn.Module, seed: int, rules: Mapping[str, InitRule], skip: Collection[str] = ()
 ) -> None:
     """Fill every parameter and buffer of `model` (plain tensors or DTensors, on any device) by its rule,
-    but those named in `skip` (what a checkpoint read next provides: drawing them would be wasted)."""
+    but those named in `skip` (what a checkpoint read next provides: drawing them would be wasted).
+    `rules` are the model's own; the LoRA adapters attached to it follow `adapter_rules`."""
+    rules = {**rules, **adapter_rules(model)}
     tensors = dict(model.named_parameters()) | dict(model.named_buffers())
     for name, t in tensors.items():
         fqn = canonical_name(name)
@@ -83,3 +86,23 @@ def init_tensor(t: torch.Tensor, seed: int, fqn: str, rule: InitRule) -> None:
         rule(block, torch.Generator().manual_seed(block_seed(seed, fqn, start)))
         a, b = max(start, lo), min(stop, hi)
         local[a - lo : b - lo].copy_(block[(slice(a - start, b - start), *others)])
+
+
+def adapter_rules(model: nn.Module) -> dict[str, InitRule]:
+    """Rules of the LoRA adapters attached to `model` (each module's `PAIRS`: {base: (A, B)}): A uniform
+    in +-1/sqrt(in-features) (PEFT's default, kaiming-uniform with a = sqrt(5)), B zero, so the first
+    step is the base model."""
+
+    def uniform(bound: float) -> InitRule:
+        return lambda t, g: t.uniform_(-bound, bound, generator=g)
+
+    def zero(t: torch.Tensor, g: torch.Generator) -> None:
+        t.zero_()
+
+    rules = {}
+    for mname, module in model.named_modules():
+        for a_name, b_name in getattr(module, PAIRS, {}).values():
+            A = module.get_parameter(a_name)
+            rules[canonical_name(f"{mname}.{a_name}")] = uniform(A.shape[-1] ** -0.5)
+            rules[canonical_name(f"{mname}.{b_name}")] = zero
+    return rules

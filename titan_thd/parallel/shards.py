@@ -18,7 +18,11 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 UNSHARDED = "fsdp_unsharded_params"
 """Attribute of a module: names of its parameters that FSDP leaves alone (a LoRA run's base kept as
-released: lora/resident.py swaps them for their codes after the model is sharded)."""
+released: models/packed_weight.py swaps them for their codes after the model is sharded)."""
+PAIRS = "lora_pairs"
+"""Attribute of a module with LoRA adapters (models/projection.py): {base parameter: (A's name, B's
+name)}. Each adapter is sharded by its base's rule (`tensor_parallel.ShardedLocal`,
+`expert_parallel.apply_ep`) and drawn by the seeded init (`seeded_init.adapter_rules`)."""
 
 WRAPPER_NAMES = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module")
 """Module names torch inserts into a parameter's name: activation checkpointing, torch.compile, FSDP1."""

@@ -43,6 +43,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from titan_thd.parallel.cp_comm import all_gather_rows
+from titan_thd.parallel.shards import PAIRS
 
 REPLICATED_GRADS = "_tp_replicated_grads"
 """Model attribute: (names of parameters whose gradients are partial over tp, the tp group)."""
@@ -118,7 +119,7 @@ class ShardedLocal(ParallelStyle):
     each named parameter on its dim (`{name: dim}`: stacked experts); the model multiplies with
     `local(weight)` inside a GatherRows region (no communication here).
 
-    A LoRA adapter (lora/layers.py, the module's `lora_pairs`) follows its base: a split of the
+    A LoRA adapter (models/projection.py, the module's `PAIRS`) follows its base: a split of the
     output rows splits B [.., out, r] on the same dim, a split of the input columns splits A
     [.., r, in]; the other factor stays whole on every rank, with a partial gradient over tp."""
 
@@ -127,7 +128,7 @@ class ShardedLocal(ParallelStyle):
         self.dims = dim if isinstance(dim, dict) else {"weight": dim}
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        pairs: dict[str, tuple[str, str]] = getattr(module, "lora_pairs", {})
+        pairs: dict[str, tuple[str, str]] = getattr(module, PAIRS, {})
         dims = dict(self.dims)
         for base, dim in self.dims.items():
             if base in pairs:
@@ -246,7 +247,7 @@ def _redistribute(module: nn.Module, placements: dict[str, Shard | Replicate], m
 
 
 class ColwiseWithAdapter(ColwiseParallel):
-    """torch's ColwiseParallel whose LoRA adapter (lora/layers.py) follows the base: B [out, r] split
+    """torch's ColwiseParallel whose LoRA adapter (models/projection.py) follows the base: B [out, r] split
     on its output rows with the weight, A [r, in] whole on every rank (torch's style would split every
     parameter of the module on dim 0, A's rank too)."""
 

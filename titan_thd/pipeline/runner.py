@@ -25,7 +25,7 @@ from torch import nn
 from titan_thd.components.loss import cross_entropy_sum, loss_context
 from titan_thd.components.progress import Progress
 from titan_thd.data.packed_batch import PackedBatch
-from titan_thd.lora import resident
+from titan_thd.models import packed_weight
 from titan_thd.models.spec import count_params
 from titan_thd.parallel.tensor_parallel import reduce_replicated_grads
 from titan_thd.pipeline.schedule import PipelineSchedule, StageInput, tied_groups
@@ -121,7 +121,7 @@ def build(
     compute dtype. Every rank must call it (process groups of tied weights are created collectively)."""
     spec, dims, stages, precision = run.spec, run.dims, run.stages, run.precision
     chunks, tied = [model], ()
-    resident.mark(model, run.resident)  # a base kept as released stays out of FSDP
+    packed_weight.mark(model, run.resident)  # a base kept as released stays out of FSDP
     if stages is not None:  # keep this rank's stages only (before sharding them over dp x cp)
         assert spec.pipeline is not None, spec.name  # validate_pipeline refused it at start-up
         pp_rank, pp = dims.mesh_rank("pp"), dims.pp
@@ -133,7 +133,7 @@ def build(
         ac, on = run.cfg.activation_checkpoint, run.compile.on
         chunks = [spec.parallelize(c, dims, compile=on, ac=ac, precision=precision) for c in chunks]
     # Still on the meta device: each weight kept as released becomes its codes' box (checked on blocks).
-    resident.swap(model, run.resident)
+    packed_weight.swap(model, run.resident)
     # Only now is memory allocated: this rank's shards of its stages, on its device.
     if init is not None:
         model.to_empty(device=device)

@@ -25,8 +25,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from titan_thd.lora.layers import Linear, grouped_delta, linear_local
-from titan_thd.lora.resident import base_groups, local_weight
 from titan_thd.models.dsv4.args import DSv4Args
 from titan_thd.models.dsv4.compressor import Compressor
 from titan_thd.models.dsv4.context_parallel import gather_entries, with_left_halo
@@ -35,6 +33,7 @@ from titan_thd.models.dsv4.norm import RMSNorm, rms_norm
 from titan_thd.models.dsv4.plans import BatchPlan, CosSin
 from titan_thd.models.dsv4.rope import apply_rope
 from titan_thd.models.dsv4.sparse_attention import Band, sparse_mqa, window_band, with_entry_range
+from titan_thd.models.projection import Linear, grouped_local, linear_local, local_weight
 from titan_thd.parallel.recompute import decided_once
 from titan_thd.parallel.tensor_parallel import local
 
@@ -142,14 +141,13 @@ class Attention(nn.Module):
         """One softmax of every query over its band and listed key rows and its sink, then the
         output projection; (output [T, d], lse [T, H]). The cached decoder (decode.py) attends its
         one-row steps through it too (band None, every key row listed)."""
-        (T, _, D), wo_a = q_THD.shape, local_weight(self.wo_a.weight)  # this rank's groups under TP
-        G = wo_a.shape[0] // self.o_lora_rank  # this rank's groups: its H heads, whole groups
+        (T, _, D) = q_THD.shape
+        # this rank's groups under TP: its H heads, whole groups
+        G = local_weight(self.wo_a.weight).shape[0] // self.o_lora_rank
         o_THD, lse_TH = sparse_mqa(
             q_THD, kv_SD, idx_TK, local(self.attn_sink), D**-0.5, self.chunk, band=band
         )
         o_THD = apply_rope(o_THD, *rope_q, inverse=True)
         o_TGI = o_THD.reshape(T, G, -1)
-        o_TGO = base_groups(o_TGI, wo_a)
-        if (delta_TGO := grouped_delta(o_TGI, self.wo_a)) is not None:  # a LoRA adapter (lora/)
-            o_TGO = o_TGO.add_(delta_TGO)
+        o_TGO = grouped_local(o_TGI, self.wo_a)  # with its LoRA adapter, when one is attached
         return linear_local(o_TGO.flatten(1), self.wo_b), lse_TH

@@ -19,10 +19,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from titan_thd.lora.layers import Linear
 from titan_thd.models.dsv4.norm import RMSNorm
 from titan_thd.models.dsv4.plans import CompressPlan
 from titan_thd.models.dsv4.rope import apply_rope
+from titan_thd.models.projection import Linear
 
 
 class Compressor(nn.Module):

@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import torch
 
-from titan_thd.lora.resident import Format
 from titan_thd.models.dsv4.args import DSv4Args
 from titan_thd.models.dsv4.hf_config import args_from_hf_config, hf_config_from_args
 from titan_thd.models.dsv4.hf_dequant import check_quantization_config, quantized_sources
 from titan_thd.models.dsv4.hf_names import hf_module, reference_items, stored_to_ours
 from titan_thd.models.hf.adapter import HFAdapter
 from titan_thd.models.hf.io import Narrowed, Plain, SafetensorsFolder, Source, Stacked
+from titan_thd.models.hf.quant import Format
 
 
 def dsv4_sources(folder: SafetensorsFolder, config: dict, where: str) -> dict[str, Source]:

@@ -11,16 +11,17 @@ fine-grained loader reads):
   e2m1 values per byte, low nibble first, and a `float8_e8m0fnu` scale (or its biased exponent byte
   as uint8) `[out, in / 32]`: one power of two per 1 x 32 block.
 
-`w = value * scale of its block`, computed in float32. Other quantisation schemes (NVFP4's second-level
-scales, static activation scales, a `quant_method` other than DeepSeek's `fp8`) are refused.
+`w = value * scale of its block`, computed in float32 (the codec: models/hf/quant.py). Other
+quantisation schemes (NVFP4's second-level scales, static activation scales, a `quant_method` other
+than DeepSeek's `fp8`) are refused.
 """
 
 from __future__ import annotations
 
 import torch
 
-from titan_thd.lora.resident import E2M1
 from titan_thd.models.hf.io import SafetensorsFolder, Source, Stored
+from titan_thd.models.hf.quant import Format, decode, scaled
 
 _PACKED = (torch.int8, torch.uint8)
 # Scales of schemes that are not DeepSeek's (NVFP4, static activation quantisation): refused by name.
@@ -63,19 +64,6 @@ def _scale_key(state: dict[str, torch.Tensor], key: str) -> str | None:
     return found[0] if found else None
 
 
-def _unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
-    lut = torch.tensor(E2M1, dtype=torch.float32)
-    u8 = packed.contiguous().view(torch.uint8)
-    pairs = torch.stack([lut[(u8 & 0xF).long()], lut[(u8 >> 4).long()]], dim=-1)  # low nibble first
-    return pairs.reshape(*packed.shape[:-1], 2 * packed.shape[-1])
-
-
-def _scale_values(scale: torch.Tensor) -> torch.Tensor:
-    if scale.dtype == torch.uint8:  # a UE8M0 exponent byte: 2^(e - 127)
-        return torch.exp2(scale.float() - 127.0)
-    return scale.float()
-
-
 def block_shape(key: str, rows: int, cols: int, grid: tuple[int, ...], block: tuple[int, int] | None):
     """(rows, cols) of one scale block of a `rows x cols` weight with a `grid` of scales (ValueError
     naming `key` when the grid does not tile the weight)."""
@@ -90,14 +78,6 @@ def block_shape(key: str, rows: int, cols: int, grid: tuple[int, ...], block: tu
         f"{key}: scale grid {tuple(grid)} does not tile the weight's {rows} x {cols} values "
         f"(weight_block_size {list(block) if block else None})"
     )
-
-
-def _expand(scale: torch.Tensor, bm: int, bn: int, r0: int, c0: int, rows: int, cols: int) -> torch.Tensor:
-    """The scale of every element of the `rows x cols` box at (r0, c0) of a weight, from the rows and
-    columns of the grid that cover it (the grid's first row / column is block r0 // bm / c0 // bn)."""
-    s = _scale_values(scale).repeat_interleave(bm, dim=-2)
-    s = s[..., r0 - r0 // bm * bm : r0 - r0 // bm * bm + rows, :].repeat_interleave(bn, dim=-1)
-    return s[..., c0 - c0 // bn * bn : c0 - c0 // bn * bn + cols]
 
 
 class Quantized(Source):
@@ -116,34 +96,33 @@ class Quantized(Source):
         self.block = block_shape(str(weight), *shape[-2:], scale.shape[-2:], block)
         self.origin = str(weight)
 
+    @property
+    def format(self) -> Format:
+        return Format("fp4" if self.packed else "fp8", self.block, self.scale.dtype.itemsize)
+
     def read(self, folder: SafetensorsFolder, box: tuple[slice, ...]) -> torch.Tensor:
-        (*lead, rs, cs), (bm, bn) = box, self.block
+        (*lead, rs, cs), fmt = box, self.format
         rows, cols = rs.stop - rs.start, cs.stop - cs.start
         if rows == 0 or cols == 0 or any(s.stop == s.start for s in lead):
             return torch.empty(*(s.stop - s.start for s in box))
-        if self.packed:  # two codes per byte: the bytes that hold columns cs, then the exact columns
-            p0, p1 = cs.start // 2, -(-cs.stop // 2)
-            codes = _unpack_fp4(folder.read(self.weight, (*lead, rs, slice(p0, p1))))
-            values = codes[..., cs.start - 2 * p0 : cs.start - 2 * p0 + cols]
-        else:
-            values = folder.read(self.weight, box).float()
-        grid = (*lead, slice(rs.start // bm, -(-rs.stop // bm)), slice(cs.start // bn, -(-cs.stop // bn)))
-        return values * _expand(folder.read(self.scale, grid), bm, bn, rs.start, cs.start, rows, cols)
+        # The bytes holding columns cs (FP4: two codes per byte), then the exact columns.
+        code_box = fmt.code_box(box)
+        values = decode(folder.read(self.weight, code_box), fmt.kind, torch.float32)
+        skip = cs.start - code_box[-1].start * fmt.per_byte
+        values = values[..., skip : skip + cols]
+        return scaled(values, folder.read(self.scale, fmt.grid_box(box)), self.block, (rs.start, cs.start))
 
     def read_codes(
         self, folder: SafetensorsFolder, box: tuple[slice, ...]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(the stored codes of a box as bytes, the scale blocks covering it as stored: e8m0 as its
-        exponent byte), for a box that starts and ends on blocks (lora/resident.py checks it): the
-        resident base of a LoRA run, never dequantised here."""
-        (*lead, rs, cs), (bm, bn) = box, self.block
-        grid = (*lead, slice(rs.start // bm, -(-rs.stop // bm)), slice(cs.start // bn, -(-cs.stop // bn)))
+        exponent byte), for a box that starts and ends on blocks (models/packed_weight.py checks it):
+        the packed frozen base of a LoRA run, never dequantised here."""
+        fmt, cs = self.format, box[-1]
         if self.packed:
             assert cs.start % 2 == 0 and (cs.stop % 2 == 0 or cs.stop == self.shape[-1]), (self.origin, box)
-            codes = folder.read(self.weight, (*lead, rs, slice(cs.start // 2, -(-cs.stop // 2))))
-        else:
-            codes = folder.read(self.weight, box)
-        scale = folder.read(self.scale, grid)
+        codes = folder.read(self.weight, fmt.code_box(box))
+        scale = folder.read(self.scale, fmt.grid_box(box))
         if scale.dtype == torch.float8_e8m0fnu:
             scale = scale.view(torch.uint8)
         return codes.view(torch.uint8), scale

@@ -20,13 +20,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from titan_thd.lora.layers import Linear
 from titan_thd.models.dsv4.args import DSv4Args
 from titan_thd.models.dsv4.compressor import Compressor
 from titan_thd.models.dsv4.context_parallel import gather_entries
 from titan_thd.models.dsv4.plans import BatchPlan, CompressPlan
 from titan_thd.models.dsv4.rope import apply_rope
 from titan_thd.models.dsv4.sparse_attention import entry_blocks
+from titan_thd.models.projection import Linear
 
 SELECT_BLOCK = 64
 """Queries per block of the top-k scoring (they share one contiguous range of candidate entries)."""

@@ -1,4 +1,4 @@
-"""dsv4's LoRA targets (lora/targets.py): the main attention's projections, the shared expert and the
+"""dsv4's LoRA targets (models/projection.py, resolved by lora/targets.py): the main attention's projections, the shared expert and the
 routed experts of every block in `layers`, named by their exact paths: the indexer's `wq_b` and the
 compressors' projections are never adapted, and the MTP blocks (which transformers does not build,
 so no served adapter could hold theirs) keep their base weights.
@@ -11,7 +11,7 @@ adapter of the fused `gate_up_proj`), one adapter per expert.
 
 from __future__ import annotations
 
-from titan_thd.lora.targets import LoRATargets, Target
+from titan_thd.models.projection import LoRATargets, Target
 
 LORA = LoRATargets(
     targets={

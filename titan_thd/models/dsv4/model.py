@@ -30,7 +30,6 @@ from torch.distributed.tensor import DTensor
 
 from titan_thd.components.loss import cross_entropy_sum
 from titan_thd.data.batch_meta import BatchMeta
-from titan_thd.lora.targets import init_rules as adapter_init_rules
 from titan_thd.models.dsv4.args import DSv4Args
 from titan_thd.models.dsv4.attention import Attention
 from titan_thd.models.dsv4.block import Block
@@ -113,7 +112,7 @@ class DSv4Model(nn.Module):
         of tensors left as they are (a checkpoint read next fills them)."""
         if seed is None:
             seed = int(torch.randint(2**62, ()))
-        init_seeded(self, seed, self.init_rules() | adapter_init_rules(self), skip)
+        init_seeded(self, seed, self.init_rules(), skip)
 
     def init_rules(self) -> dict[str, InitRule]:
         """{fqn: rule} of every parameter and buffer. Matrices N(0, init_std); norms 1; mHC base 0

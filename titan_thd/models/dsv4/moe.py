@@ -26,9 +26,17 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from titan_thd.lora.layers import ExpertAdapters, Linear, expert_adapters, expert_delta, linear_local
-from titan_thd.lora.resident import base_grouped, local_weight
 from titan_thd.models.dsv4.args import DSv4Args
+from titan_thd.models.projection import (
+    ExpertAdapters,
+    GroupedExperts,
+    Linear,
+    base_grouped,
+    expert_adapters,
+    expert_delta,
+    linear_local,
+    local_weight,
+)
 from titan_thd.ops.grouped_linear import grouped_linear
 from titan_thd.parallel.expert_parallel import dispatch_combine
 from titan_thd.parallel.recompute import decided_once, in_recompute
@@ -71,7 +79,7 @@ def grouped_experts(
 ) -> torch.Tensor:
     """Clamped SwiGLU of rows sorted by expert: rows [sum(counts[:e]), sum(counts[:e+1])) go
     through expert e of the stacks; one grouped matrix product per projection. `lora`: the experts'
-    adapters (lora/layers.py), one per expert, added to each projection's product."""
+    adapters (models/projection.py), one per expert, added to each projection's product."""
     assert len(counts) == w1_EFD.shape[0] and sum(counts) == x_ND.shape[0], (counts, x_ND.shape)
     if x_ND.shape[0] == 0:  # nothing routed here: an empty result still in the graph (collectives)
         return x_ND * 0
@@ -107,8 +115,9 @@ def looped_experts(
     return torch.cat(outs)
 
 
-class Experts(nn.Module):
-    """The routed experts, stacked: w1, w3 [E, F, d] and w2 [E, d, F] (expert e at index e). A
+class Experts(GroupedExperts):
+    """The routed experts, stacked: w1, w3 [E, F, d] and w2 [E, d, F] (expert e at index e), the
+    grouped projection of models/projection.py (adapters and a packed base go through it). A
     module of its own so that FSDP can gather them as one unit when they are sharded apart from
     their block (expert parallelism)."""
 
@@ -123,7 +132,7 @@ class Experts(nn.Module):
 
     def forward(self, x_ND: torch.Tensor, counts: list[int], limit: float) -> torch.Tensor:
         # This rank's experts (EP, Shard(0)) or hidden columns (TP, a partial output): the local shard
-        # of each stack, or its resident codes (lora/resident.py).
+        # of each stack, or its packed codes (models/packed_weight.py).
         w1, w2, w3 = (local_weight(w) for w in (self.w1, self.w2, self.w3))
         return grouped_experts(x_ND, counts, w1, w2, w3, limit, self.act, expert_adapters(self))
 

@@ -15,12 +15,12 @@ from __future__ import annotations
 import torch
 
 from titan_thd.data.packed_batch import IGNORE_INDEX
-from titan_thd.lora.layers import Linear
 from titan_thd.models.dsv4.args import DSv4Args
 from titan_thd.models.dsv4.block import Block
 from titan_thd.models.dsv4.mhc import HyperHead
 from titan_thd.models.dsv4.norm import RMSNorm
 from titan_thd.models.dsv4.plans import BatchPlan
+from titan_thd.models.projection import Linear
 
 
 class MTPBlock(Block):

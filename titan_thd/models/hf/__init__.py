@@ -7,6 +7,7 @@ transformers' module names) and sets `ModelSpec.hf`; everything else is here, on
     load.py       config.json (the one reader), folder args and checks, the sharded load
     export.py     the export of a model or a DCP checkpoint (rank 0 writes), with the tokenizer files
     io.py         safetensors headers and slices; Source (how one of our tensors is read)
+    quant.py      the FP8 / FP4 block formats of DeepSeek's releases (Format, decode, scales)
     write.py      ModelSource / DcpSource (our tensors, a group at a time), files of bounded size
     tokenizer.py  tokenizer.json, tokenizer_config.json, generation_config.json of the run's tokenizer
 """

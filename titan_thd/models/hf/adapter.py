@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
-from titan_thd.lora.resident import Format
 from titan_thd.models.hf.io import Plain, SafetensorsFolder, Source
+from titan_thd.models.hf.quant import Format
 
 Rules = Sequence[tuple[str, str]]
 """(regex pattern, replacement) pairs, applied in order by `rename`."""
@@ -109,7 +109,7 @@ class HFAdapter:
     tensors (an error)."""
     released: Callable[[str, tuple[int, ...]], Format | None] | None = None
     """(our key, global shape) -> how the family's published release stores that tensor (None: as a
-    plain tensor), for a LoRA run whose base stays as released (lora/resident.py): a dry run plans it
+    plain tensor), for a LoRA run whose base stays as released (models/packed_weight.py): a dry run plans it
     without the folder. None: the family publishes no block-quantised release."""
     initialises: bool = True
     """Whether `model.hf_path` may initialise a training run from such a folder (False: the load

@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from titan_thd.models.hf.quant import Format
 from titan_thd.parallel.shards import canonical_name, local_box
 
 logger = logging.getLogger(__name__)
@@ -170,14 +171,27 @@ class SafetensorsFolder:
 
 class Source:
     """How one of our tensors is made of stored ones: its global `shape` and `read(folder, box)`,
-    the float / stored-dtype values of a box (one slice per dimension) of it."""
+    the float / stored-dtype values of a box (one slice per dimension) of it. A block-quantised one
+    (dsv4's `Quantized`, a stack of them) also says its `format` and reads its stored `read_codes`."""
 
     shape: tuple[int, ...]
     origin: str
     """The stored tensor(s) it reads, for error messages ("name in file")."""
 
+    @property
+    def format(self) -> Format | None:
+        """How the folder stores it block-quantised (models/hf/quant.py); None: as plain values."""
+        return None
+
     def read(self, folder: SafetensorsFolder, box: tuple[slice, ...]) -> torch.Tensor:
         raise NotImplementedError
+
+    def read_codes(
+        self, folder: SafetensorsFolder, box: tuple[slice, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the stored codes of a box as bytes, the scale blocks that cover it as stored), for a box
+        on whole blocks of `format`; only a source with a format has codes."""
+        raise TypeError(f"{self.origin} is not block-quantised (format None): it has no codes to read")
 
 
 class Plain(Source):
@@ -198,11 +212,25 @@ class Stacked(Source):
         self.parts, self.shape = parts, (len(parts), *parts[0].shape)
         self.origin = f"{parts[0].origin} (and {len(parts) - 1} more)"
 
+    @property
+    def format(self) -> Format | None:
+        """The parts' format when they share one (None: plain, or stored differently)."""
+        formats = {p.format for p in self.parts}
+        return formats.pop() if len(formats) == 1 else None
+
     def read(self, folder: SafetensorsFolder, box: tuple[slice, ...]) -> torch.Tensor:
         rows = [self.parts[e].read(folder, box[1:]) for e in range(box[0].start, box[0].stop)]
         if not rows:
             return torch.empty(0, *(s.stop - s.start for s in box[1:]))
         return torch.stack(rows)
+
+    def read_codes(
+        self, folder: SafetensorsFolder, box: tuple[slice, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # This rank's experts (expert parallelism splits every stack on whole experts: one at least).
+        pairs = [self.parts[e].read_codes(folder, box[1:]) for e in range(box[0].start, box[0].stop)]
+        assert pairs, (self.origin, box)
+        return torch.stack([c for c, _ in pairs]), torch.stack([s for _, s in pairs])
 
 
 class Narrowed(Source):

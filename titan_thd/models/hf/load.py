@@ -26,9 +26,9 @@ import torch
 from torch import nn
 
 from titan_thd.config.jsonfile import read_json_object
-from titan_thd.lora import resident
 from titan_thd.models.hf.adapter import HFAdapter
 from titan_thd.models.hf.io import LoadStats, SafetensorsFolder, Source, check_fits, load_sources
+from titan_thd.models.packed_weight import load_packed
 
 if TYPE_CHECKING:
     from titan_thd.models.spec import ModelSpec
@@ -172,8 +172,8 @@ def load_into(spec: ModelSpec, model: nn.Module, path: str | Path) -> LoadStats:
     (ValueError naming the differing fields, or the file and tensor that do not fit, before anything
     is written). Returns what this rank read."""
     folder, sources = folder_sources(spec, model.args, path)
-    # A LoRA run's base kept as released: its codes and scales as stored (lora/resident.py).
-    codes_read = resident.load_resident(model, sources, folder)
+    # A LoRA run's base kept as released: its codes and scales as stored (models/packed_weight.py).
+    codes_read = load_packed(model, sources, folder)
     stats = load_sources(model, sources, folder)
     stats = replace(stats, bytes_read=stats.bytes_read + codes_read)
     logger.info(

@@ -1,8 +1,8 @@
-"""llama's LoRA targets (lora/targets.py): the attention and MLP projections of every block."""
+"""llama's LoRA targets (models/projection.py, resolved by lora/targets.py): the attention and MLP projections of every block."""
 
 from __future__ import annotations
 
-from titan_thd.lora.targets import LoRATargets, Target
+from titan_thd.models.projection import LoRATargets, Target
 
 _ATTENTION = ("wq", "wk", "wv", "wo")
 _MLP = ("w1", "w3", "w2")

@@ -25,9 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from titan_thd.data.batch_meta import BatchMeta
-from titan_thd.lora.layers import Linear
-from titan_thd.lora.targets import init_rules as adapter_init_rules
 from titan_thd.models.llama.args import LlamaArgs
+from titan_thd.models.projection import Linear
 from titan_thd.models.spec import ModelOutput, build_initialised
 from titan_thd.ops.rope import apply_rope, rope_cos_sin, rope_tables
 from titan_thd.ops.varlen_attention import VarlenAttention
@@ -138,7 +137,7 @@ class Llama(nn.Module):
         tensors left as they are (a checkpoint read next fills them)."""
         if seed is None:
             seed = int(torch.randint(2**62, ()))
-        init_seeded(self, seed, self.init_rules() | adapter_init_rules(self), skip)
+        init_seeded(self, seed, self.init_rules(), skip)
 
     def init_rules(self) -> dict[str, InitRule]:
         """{fqn: rule} of every parameter: embeddings N(0, 1), norms 1, the projections into a block
