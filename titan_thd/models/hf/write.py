@@ -148,8 +148,14 @@ class SafetensorsFile:
         self.written += 1
 
     def close(self) -> Path:
+        """Move the file into place once safetensors' own reader has read its header back: the header
+        is written here by hand, so a reader that refuses it is found by the export, not by a server."""
+        from safetensors import safe_open
+
         assert self.written == len(self.order), (self.path, self.written, len(self.order))
         self.file.close()
+        with safe_open(str(self.tmp), "pt") as f:
+            assert set(f.keys()) == set(self.entries), self.tmp
         self.tmp.replace(self.path)
         return self.path
 
