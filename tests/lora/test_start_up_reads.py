@@ -1,6 +1,6 @@
 """One LoRA start-up on a released-format base (tests/models/dsv4/_release.write_micro_release) reads
 the Hugging Face folder once: `resolve_run` opens it (config.json read once, each safetensors header
-parsed once, the fingerprint taken once), the `Run` carries it (`Run.hf`), and the load into the
+parsed once, the fingerprint taken once from the headers as parsed), the `Run` carries it (`Run.hf`), and the load into the
 allocated model (the trainer's `init_base`) reads that one folder. The model is built on the meta
 device twice: once by start-up (the folder's plan, the adapters' targets and the packed-base plan are
 all checked against it) and once as the model itself."""
@@ -51,6 +51,8 @@ def test_a_released_lora_start_up_reads_the_folder_once(tmp_path, monkeypatch):
     monkeypatch.setattr(dsv4, "spec", dataclasses.replace(spec, build=build_model))
     monkeypatch.setattr(hf_folder, "read_json_object", counted("config.json", hf_folder.read_json_object))
     monkeypatch.setattr(hf_folder, "folder_fingerprint", counted("fingerprint", hf_folder.folder_fingerprint))
+    # The fingerprint hashes the headers as parsed: it reads none again.
+    monkeypatch.setattr(hf_io, "_data_offsets", counted("a header read again", hf_io._data_offsets))
     header = hf_io.SafetensorsFolder._header
     monkeypatch.setattr(
         hf_io.SafetensorsFolder, "_header", lambda self, f: (reads.update([f.name]), header(self, f))[1]

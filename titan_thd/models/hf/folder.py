@@ -110,9 +110,10 @@ class HFFolder:
 
     @property
     def fingerprint(self) -> str:
-        """models/hf/io.py `folder_fingerprint` of the folder, computed once (a LoRA run records it)."""
+        """models/hf/io.py `folder_fingerprint` of the folder, computed once (a LoRA run records it)
+        from the headers as parsed: none is read twice."""
         if self._fingerprint is None:
-            self._fingerprint = folder_fingerprint(self.path)
+            self._fingerprint = folder_fingerprint(self.path, self.headers)
         return self._fingerprint
 
     def vocab_size(self, tokenizer_vocab: int, key: str = "model.hf_path") -> int:
