@@ -17,7 +17,7 @@
 
 With --config (the run's TOML, a path or a name in train_configs/, plus `--section.field value` overrides
 as for the trainer) `to-hf` reads a trainer checkpoint of any parallel layout: `RUN/checkpoint/step-N`, or
-a run folder / checkpoint folder for its newest step (titan_thd/inference/loading.py checks the
+a run folder / checkpoint folder for its newest step (titan_thd/export/checkpoint.py checks the
 checkpoint's model fingerprint against the config). The export then holds config.json (with the
 tokenizer's bos / eos / pad ids), the weights, tokenizer.json, tokenizer_config.json (with the chat
 template) and generation_config.json, so `generate` stops at the end of an assistant turn
@@ -68,6 +68,8 @@ from titan_thd.inference.loading import config_argv, inference_config
 from titan_thd.models.hf.write import DEFAULT_MAX_SHARD_SIZE, parse_size
 from titan_thd.run import Run
 from titan_thd.startup import resolve_run
+
+# This script parses the arguments and prints; what each subcommand does is titan_thd/export/commands.py.
 
 HF_EXTRA = "the hf extra (safetensors, transformers): install it with ./scripts/setup_env.sh hf"
 
