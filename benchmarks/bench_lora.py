@@ -150,9 +150,20 @@ def side(opts) -> dict:
     }
 
 
+def _write_peft(out: Path, tensors: dict, config: dict) -> Path:
+    """The PEFT folder of whole adapter tensors (the package streams its export from a checkpoint:
+    titan_thd/export/adapters.py; here the adapters are in memory already)."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out
+
+
 def prepare_peer(opts, tmp: Path) -> tuple[Path, Path]:
     """The base folder (the flavor's seeded model, exported) and the adapters, in both formats."""
-    from titan_thd.lora.peft import adapter_config, peft_tensors, write_peft
+    from titan_thd.lora.peft import adapter_config, peft_tensors
     from titan_thd.lora.targets import attach, init_adapters, is_adapter, resolve_lora
     from titan_thd.models import get_model_spec
     from titan_thd.models.dsv4 import build_dsv4, export_hf, flavors
@@ -171,10 +182,11 @@ def prepare_peer(opts, tmp: Path) -> tuple[Path, Path]:
                 p.normal_(0, 0.02)
     adapters = {n: p.detach() for n, p in adapted.named_parameters() if is_adapter(n)}
     blocks = [f"layers.{i}" for i in adapted.layers]
-    out = write_peft(
-        tmp / "adapter", peft_tensors(adapters, plan, blocks, spec.hf.hf_module),
-        adapter_config(plan, spec.hf.hf_module, str(weights)), None,
-    )  # fmt: skip
+    out = _write_peft(
+        tmp / "adapter",
+        peft_tensors(adapters, plan, blocks, spec.hf.hf_module),
+        adapter_config(plan, spec.hf.hf_module, str(weights)),
+    )
     torch.save(adapters, out / "ours.pt")
     return weights, out
 

@@ -22,9 +22,10 @@ import json
 import sys
 from pathlib import Path
 
+from titan_thd.exits import one_line
 from titan_thd.inference.evaluation import HELDOUT, evaluate, heldout_conversations
 from titan_thd.inference.generate import DECODERS
-from titan_thd.inference.loading import config_argv, load_model, one_line
+from titan_thd.inference.loading import config_argv, load_model
 
 
 def main(argv: list[str] | None = None) -> int:

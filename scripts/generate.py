@@ -28,8 +28,9 @@ import json
 import sys
 from pathlib import Path
 
+from titan_thd.exits import one_line
 from titan_thd.inference.generate import DECODERS, GenerationStats
-from titan_thd.inference.loading import Loaded, config_argv, load_model, one_line
+from titan_thd.inference.loading import Loaded, config_argv, load_model
 from titan_thd.inference.sampling import Sampling
 
 

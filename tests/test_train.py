@@ -260,7 +260,7 @@ def test_the_trainer_never_draws_what_the_hf_folder_provides(tmp_path, hf_checkp
         assert_loaded_and_first_ce(trainer, reference)
     finally:
         trainer.close()
-    provided = set(hf.folder_sources(get_model_spec("dsv4"), reference.args, path)[1])
+    provided = set(hf.HFFolder(get_model_spec("dsv4"), path).sources(reference.args))
     assert provided and drawn and not provided & set(drawn)
     assert set(drawn) | provided >= set(reference.state_dict())
 

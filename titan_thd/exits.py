@@ -72,6 +72,15 @@ DEBUG_ENV = "TITAN_THD_DEBUG"
 """Environment variable: `TITAN_THD_DEBUG=1` shows the traceback of user errors too."""
 
 
+def one_line(error: BaseException) -> str:
+    """A (possibly multi-line) error message as one line, for the `error:` line of the command lines."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    out = lines[0] if lines else type(error).__name__
+    for line in lines[1:]:
+        out += (" " if out.endswith(":") else "; ") + line
+    return out
+
+
 def check_finite(step: int, values: dict[str, float]) -> None:
     """FloatingPointError (a run failure) when a step's global values are not all finite: it is
     raised before the optimizer step, so neither the weights nor a checkpoint hold that step."""

@@ -1,5 +1,5 @@
-"""What a run reads and writes outside the config, checked before it starts: its folders (by
-`resolve_run`), the outputs of another run it would replace (by the Trainer), and, with
+"""What a run reads and writes outside the config, checked before it starts (its folders are start-up's:
+titan_thd/startup.py `check_folders`): the outputs of another run it would replace (by the Trainer), and, with
 --job.preflight (run by run_train.sh before torchrun), every input its ranks would read before their
 first step, read here in one process so that an input error is one line and not torchrun's failure
 report.
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
@@ -23,31 +22,6 @@ from titan_thd.parallel.fsdp import build_on_meta
 from titan_thd.run import Run
 
 logger = logging.getLogger("titan_thd")
-
-
-def check_folders(cfg: Config) -> None:
-    """ValueError when job.dump_folder (writable), the data cache or the checkpoint folder cannot be a
-    folder (each is created when missing): it or a parent is a file."""
-    job = cfg.job
-    _check_folder("job.dump_folder", job.dump_folder, Path(job.dump_folder), writable=True)
-    if cfg.data.source != "packed":
-        key = "data.cache_dir" if cfg.data.cache_dir else "job.dump_folder"
-        _check_folder(key, cfg.data.cache_dir or job.dump_folder, Path(cfg.data.cache_dir or job.dump_folder))
-    if cfg.checkpoint.enable:
-        folder = Path(job.dump_folder) / cfg.checkpoint.folder
-        _check_folder("checkpoint.folder", cfg.checkpoint.folder, folder)
-
-
-def _check_folder(key: str, value: str, folder: Path, writable: bool = False) -> None:
-    """ValueError when `folder` (created when missing) cannot be one: it or a parent is not a folder."""
-    for p in (folder, *folder.absolute().parents):
-        if not p.exists():
-            continue
-        if not p.is_dir():
-            raise ValueError(f"{key} = {value!r}: {p} exists and is not a folder")
-        if writable and not os.access(p, os.W_OK | os.X_OK):
-            raise ValueError(f"{key} = {value!r}: {p} is not writable")
-        return
 
 
 def check_outputs(cfg: Config, settings: dict[str, Any]) -> None:

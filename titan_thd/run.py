@@ -16,7 +16,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import nn
 
 from titan_thd.components.precision import Precision
@@ -27,6 +26,7 @@ from titan_thd.data.rows import RowRule
 from titan_thd.data.tokenizer import Tokenizer
 from titan_thd.lora.targets import LoRAPlan, attach, init_adapters
 from titan_thd.models.compile import CompileDecision
+from titan_thd.models.hf.folder import HFFolder
 from titan_thd.models.hf.quant import Format
 from titan_thd.models.spec import ModelSpec
 from titan_thd.parallel.context_parallel import CPMode
@@ -66,17 +66,20 @@ class Run:
     """Where tokenised datasets are cached (data.cache_dir, default <dump_folder>/data_cache)."""
     fake: bool
     """A fake-process-group dry run (comm.mode = fake): shapes and memory, no real collectives."""
-    device: torch.device
-    """This process's device type (cpu on a fake-process-group dry run)."""
     precision: Precision
     """Master, compute and reduction dtypes on this machine (training.mixed_precision_param = auto resolved)."""
     compile: CompileDecision
     """training.compile on this machine for this run (`auto` resolved)."""
     lora: LoRAPlan | None
-    """The `[lora]` adapters resolved against the model (lora/targets.py); None = full fine-tuning."""
+    """The `[lora]` adapters resolved against the model, with the base setting (lora/resolve.py);
+    None = full fine-tuning."""
     resident: dict[str, Format]
     """lora.base_dtype = released: {key: how the folder stores it} of the frozen weights kept as
-    released, codes + scales (models/packed_weight.py); empty otherwise."""
+    released, codes + scales (models/packed_weight.py, planned by lora/resolve.py); empty otherwise."""
+    hf: HFFolder | None
+    """model.hf_path, opened once at start-up (models/hf/folder.py: config.json, the headers, every
+    tensor's plan checked against the model, the fingerprint): what the load, the frozen base and the
+    exports read; None without a folder."""
     settings: dict[str, Any]
     """What the run trains, stored in checkpoints and run.json (components/run_settings.py), with the
     frozen base's fingerprint under `lora.base` in a LoRA run: a resume against another base is refused."""

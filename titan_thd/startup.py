@@ -17,15 +17,19 @@ the one check of their combinations:
     ParallelDims                  parallel/parallel_dims.py      the degrees against the world
     validate_combinations         here                           what does not combine (yet)
     row_rule                      data/rows.py                   every microbatch the data can make
-    check_folders                 preflight.py                   the folders the run creates
+    check_folders                 here                           the folders the run creates
+    resolve (the [lora] section)  lora/resolve.py                targets, the packed base, the base setting
 
-What the run reads beyond the config (data, checkpoint, outputs) is checked by titan_thd/preflight.py.
+model.hf_path is opened once (models/hf/folder.py `HFFolder`: config.json, the headers, the plan of
+every tensor checked against the model built once on the meta device) and the `Run` carries it
+(`Run.hf`): the load, the frozen base and the exports read that one folder. What the run reads beyond
+the config (data, checkpoint, outputs) is checked by titan_thd/preflight.py.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,13 +39,9 @@ from titan_thd.components.precision import resolve_precision
 from titan_thd.config import Config, validate
 from titan_thd.data.rows import row_rule
 from titan_thd.data.stores import check_validation_path
-from titan_thd.data.tokenizer import Tokenizer, build_tokenizer
-from titan_thd.lora.targets import LoRAPlan, attach, resolve_lora
-from titan_thd.models import get_model_args, get_model_spec, hf
+from titan_thd.lora.resolve import resolve as resolve_lora
 from titan_thd.models.compile import has_cpp_compiler, resolve_compile
-from titan_thd.models.hf import io as hf_io
-from titan_thd.models.hf.quant import Format
-from titan_thd.models.packed_weight import packed_plan
+from titan_thd.models.resolve import resolve_model
 from titan_thd.models.spec import ModelSpec
 from titan_thd.parallel.activation_checkpoint import validate_activation_checkpoint
 from titan_thd.parallel.context_parallel import (
@@ -49,25 +49,12 @@ from titan_thd.parallel.context_parallel import (
     resolve_mode,
     validate_context_parallel,
 )
-from titan_thd.parallel.distributed import env_device
+from titan_thd.parallel.distributed import env_device, env_world_size
 from titan_thd.parallel.expert_parallel import validate_expert_parallel
 from titan_thd.parallel.parallel_dims import ParallelDims
 from titan_thd.parallel.tensor_parallel import validate_tensor_parallel
 from titan_thd.pipeline.split import validate_pipeline
-from titan_thd.preflight import check_folders
 from titan_thd.run import Run
-
-
-def env_world_size(name: str) -> int:
-    """The positive integer in the environment variable `name` (1 when unset); ValueError otherwise."""
-    value = os.environ.get(name, "1")
-    try:
-        world_size = int(value)
-    except ValueError:
-        world_size = 0
-    if world_size < 1:
-        raise ValueError(f"environment variable {name} = {value!r}: expected a positive integer (processes)")
-    return world_size
 
 
 def resolve_run(cfg: Config, world_size: int | None = None) -> Run:
@@ -79,7 +66,7 @@ def resolve_run(cfg: Config, world_size: int | None = None) -> Run:
     fake = cfg.comm.mode == "fake"
     if world_size is None:
         world_size = env_world_size("NGPU" if fake else "WORLD_SIZE")
-    spec, flavor, label, tokenizer, model_args = _resolve_model(cfg)
+    spec, flavor, label, tokenizer, model_args, folder = resolve_model(cfg)
     check_folders(cfg)
     t, p = cfg.training, cfg.parallelism
     if t.compile is True and not torch.cuda.is_available() and not has_cpp_compiler():
@@ -125,10 +112,17 @@ def resolve_run(cfg: Config, world_size: int | None = None) -> Run:
         t.dtype, t.mixed_precision_param, t.mixed_precision_reduce, hardware.detect(device)
     )
     payback = spec.compile.payback_steps if spec.compile is not None else 0
-    lora, settings = _resolve_lora(cfg, spec, model_args, label), run_settings.run_settings(cfg)
+    meta = None
+    if folder is not None or cfg.lora.enable:  # names and shapes (no memory): built once
+        with torch.device("meta"):
+            meta = spec.build(model_args)
+    if folder is not None:  # every tensor's plan, checked against the model (headers only)
+        folder.sources(model_args, meta)
+    released = spec.hf.released if spec.hf is not None else None
+    lora, resident = resolve_lora(cfg, spec.lora, meta, label, folder, released)
+    settings = run_settings.run_settings(cfg)
     if lora is not None:  # the base the adapters are trained on: a resume needs the same one
-        fingerprint = hf_io.folder_fingerprint(cfg.model.hf_path) if cfg.model.hf_path else None
-        settings[run_settings.BASE] = run_settings.base_setting(cfg.model.hf_path, fingerprint)
+        settings[run_settings.BASE] = lora.base
     return Run(
         cfg=cfg,
         spec=spec,
@@ -144,87 +138,13 @@ def resolve_run(cfg: Config, world_size: int | None = None) -> Run:
         rule=rule,
         cache_dir=cfg.data.cache_dir or os.path.join(cfg.job.dump_folder, "data_cache"),
         fake=fake,
-        device=device,
         precision=precision,
         compile=resolve_compile(t.compile, cfg.model.name, payback, t.steps, device.type),
         lora=lora,
-        resident=_resolve_resident(cfg, spec, model_args, lora, fake),
+        resident=resident,
+        hf=folder,
         settings=settings,
     )
-
-
-def _resolve_lora(cfg: Config, spec: ModelSpec, model_args: Any, label: str) -> LoRAPlan | None:
-    """lora.* against the family's targets and the model's shapes (a meta build: no weights)."""
-    c = cfg.lora
-    if not c.enable:
-        return None
-    with torch.device("meta"):
-        model = spec.build(model_args)
-    return resolve_lora(c.targets, c.rank, c.alpha, c.rslora, spec.lora, model, label)
-
-
-def _resolve_resident(
-    cfg: Config, spec: ModelSpec, model_args: Any, lora: LoRAPlan | None, fake: bool
-) -> dict[str, Format]:
-    """lora.base_dtype = released: the frozen weights the folder stores block-quantised (headers only),
-    or, on a fake-process-group dry run without a folder, those the family's release stores so."""
-    if cfg.lora.base_dtype != "released":
-        return {}
-    assert lora is not None  # config/checks.py refused released without lora.enable
-    with torch.device("meta"):
-        model = spec.build(model_args)
-        attach(model, lora)
-    frozen = {k: tuple(p.shape) for k, p in model.named_parameters() if not p.requires_grad}
-    path, released = cfg.model.hf_path, spec.hf.released if spec.hf is not None else None
-    if path:
-        plan = packed_plan(hf.folder_sources(spec, model_args, path)[1], set(frozen))
-        if not plan:
-            raise ValueError(
-                f"lora.base_dtype = 'released': model.hf_path = {path!r} stores no block-quantised weight "
-                "(FP8 e4m3 or packed FP4 with a scale grid), so nothing stays as released; use "
-                "lora.base_dtype = 'master'"
-            )
-        return plan
-    if fake and released is not None:
-        return {k: f for k, shape in frozen.items() if (f := released(k, shape)) is not None}
-    raise ValueError(
-        "lora.base_dtype = 'released' needs model.hf_path, the release-format folder the frozen base is "
-        f"read from as stored (a COMM_MODE=fake dry run plans model {cfg.model.name}'s published format "
-        "without one)"
-    )
-
-
-def _resolve_model(cfg: Config) -> tuple[ModelSpec, str, str, Tokenizer, Any]:
-    """(spec, flavor, label, tokenizer, model args) of the configured model; a checkpoint's config.json
-    and safetensors headers are read (never its weights)."""
-    m = cfg.model
-    spec = get_model_spec(m.name)
-    if m.hf_path and (spec.hf is None or not spec.hf.initialises):
-        raise ValueError(
-            f"model.hf_path = {m.hf_path!r}: model {m.name} cannot be initialised from a "
-            "Hugging Face checkpoint (its ModelSpec.hf does not offer model.hf_path); leave model.hf_path empty"
-        )
-    # An empty flavor with a checkpoint: the architecture is the checkpoint's config.json (read below,
-    # once the folder is known to exist); its args dataclass is the default flavor's.
-    from_hf = bool(m.hf_path) and not m.flavor
-    # Named from here on (log header, checkpoint fingerprint): a run that leaves it empty resumes
-    # one that named the default and the other way round.
-    flavor = m.flavor or ("" if from_hf else spec.default_flavor or next(iter(spec.flavors)))
-    label = model_label(m.name, flavor, m.hf_path)
-    args = get_model_args(m.name, flavor, m.args)  # "": the default flavor's dataclass, replaced below
-    tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.data.chat_template)
-    if m.hf_path:  # the checkpoint fixes the embedding size
-        vocab_size = hf.vocab_size(m.hf_path, tokenizer.vocab_size)
-    else:  # a multiple of 64 rows (matmul-friendly; the extra ids are never seen)
-        vocab_size = -(-tokenizer.vocab_size // 64) * 64
-    if from_hf:  # config.json's architecture, [model.args] (typed above) over it
-        args = dataclasses.replace(hf.folder_args(spec, m.hf_path), **{k: getattr(args, k) for k in m.args})
-    model_args = dataclasses.replace(args, vocab_size=vocab_size)
-    if m.hf_path:  # config.json and the safetensors headers only
-        hf.check(
-            spec, model_args, m.hf_path, "its own config.json" if from_hf else f"model.flavor = {flavor!r}"
-        )
-    return spec, flavor, label, tokenizer, model_args
 
 
 def _check_parallelism(
@@ -296,6 +216,26 @@ def validate_combinations(cfg: Config, spec: ModelSpec, model_args: Any) -> None
             )
 
 
-def model_label(name: str, flavor: str, hf_path: str) -> str:
-    """How messages name the model: family and flavor, or the checkpoint whose config.json is read."""
-    return f"{name} {flavor}" if flavor else f"{name} (config.json of {hf_path})"
+def check_folders(cfg: Config) -> None:
+    """ValueError when job.dump_folder (writable), the data cache or the checkpoint folder cannot be a
+    folder (each is created when missing): it or a parent is a file."""
+    job = cfg.job
+    _check_folder("job.dump_folder", job.dump_folder, Path(job.dump_folder), writable=True)
+    if cfg.data.source != "packed":
+        key = "data.cache_dir" if cfg.data.cache_dir else "job.dump_folder"
+        _check_folder(key, cfg.data.cache_dir or job.dump_folder, Path(cfg.data.cache_dir or job.dump_folder))
+    if cfg.checkpoint.enable:
+        folder = Path(job.dump_folder) / cfg.checkpoint.folder
+        _check_folder("checkpoint.folder", cfg.checkpoint.folder, folder)
+
+
+def _check_folder(key: str, value: str, folder: Path, writable: bool = False) -> None:
+    """ValueError when `folder` (created when missing) cannot be one: it or a parent is not a folder."""
+    for p in (folder, *folder.absolute().parents):
+        if not p.exists():
+            continue
+        if not p.is_dir():
+            raise ValueError(f"{key} = {value!r}: {p} exists and is not a folder")
+        if writable and not os.access(p, os.W_OK | os.X_OK):
+            raise ValueError(f"{key} = {value!r}: {p} is not writable")
+        return

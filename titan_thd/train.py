@@ -54,17 +54,17 @@ from titan_thd.lora.targets import trained_keys
 from titan_thd.memory.dry_run import fake_step_fits, materialize, plan_with_activations
 from titan_thd.memory.live import available_host_bytes, log_peak_rss
 from titan_thd.memory.plan import MemoryPlan, plan_memory, refuse_beyond_host
-from titan_thd.models import hf
 from titan_thd.models.compile import CompileClock
+from titan_thd.models.hf.base import init_base
 from titan_thd.models.hf.tokenizer import write_tokenizer
 from titan_thd.parallel import distributed as dist_utils
-from titan_thd.parallel.distributed import DistInfo
+from titan_thd.parallel.distributed import DistInfo, env_world_size
 from titan_thd.parallel.fsdp import build_on_meta
 from titan_thd.pipeline.runner import LazyInputs, LocalRunner, build
 from titan_thd.pipeline.schedule import PipelineSchedule, StageInput
 from titan_thd.preflight import check_outputs, preflight
 from titan_thd.run import Run
-from titan_thd.startup import env_world_size, resolve_run
+from titan_thd.startup import resolve_run
 
 logger = logging.getLogger("titan_thd")
 
@@ -349,14 +349,9 @@ class Trainer:
 
     # ------------------------------------------------------------------ helpers
     def _init_weights(self, model: nn.Module) -> None:
-        """This rank's allocated shards: drawn from training.seed, then (model.hf_path) read from the
-        checkpoint, only the slices this rank holds (ValueError when the architecture differs)."""
-        run, path = self.run, self.run.cfg.model.hf_path
-        # What the folder provides is read, never drawn first (Flash: ~8.7B values a rank would waste).
-        provided = hf.folder_sources(run.spec, model.args, path)[1].keys() if path else ()
-        model.init_weights(run.cfg.training.seed, skip=provided)
-        if path:
-            hf.load_into(run.spec, model, path)
+        """This rank's allocated shards: drawn from training.seed, then (model.hf_path: the folder
+        start-up opened) read from the checkpoint, only the slices this rank holds (models/hf/base.py)."""
+        init_base(model, self.run.hf, self.run.cfg.training.seed)
 
     def _validator(self, store, layout) -> Validator | None:
         if store is None:

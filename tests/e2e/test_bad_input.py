@@ -103,12 +103,12 @@ def test_debug_switch_shows_the_traceback(case_dir, monkeypatch):
 
 def test_a_bug_keeps_its_traceback(case_dir, monkeypatch):
     """Only user errors become one line: anything else (a bug) propagates with its traceback."""
-    from titan_thd import startup
+    from titan_thd.models import resolve  # start-up's resolution of [model], with the tokenizer
 
     def broken(*args, **kwargs):
         raise KeyError("a bug")
 
-    monkeypatch.setattr(startup, "build_tokenizer", broken)
+    monkeypatch.setattr(resolve, "build_tokenizer", broken)
     with pytest.raises(KeyError, match="a bug"):
         main([with_tmp(a, case_dir) for a in BASE])
 

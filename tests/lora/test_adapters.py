@@ -10,12 +10,13 @@ import pytest
 import torch
 from torch.func import functional_call
 
+from tests.lora._helpers import adapter_pair, merge_
 from tests.models.dsv4._util import build as build_dsv4_random
 from tests.models.dsv4._util import meta, micro, packed
 from tests.models.test_llama import TINY
 from tests.ops.test_varlen_attention import packed_meta
 from titan_thd.components.loss import cross_entropy_sum
-from titan_thd.lora.merge import adapter_pair, merge_, merged_weight
+from titan_thd.export.merge import merged_weight
 from titan_thd.lora.targets import attach, init_adapters, is_adapter, resolve_lora
 from titan_thd.models.dsv4.lora_targets import LORA as DSV4
 from titan_thd.models.llama import build_llama

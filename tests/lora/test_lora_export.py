@@ -204,7 +204,7 @@ def test_to_hf_merges_into_a_dequantised_fp8_fp4_release(tmp_path, capsys):
     """A base in the release's format (FP8 linears, packed FP4 experts): the merge reads it dequantised,
     as the trainer did, and writes W + s * B @ A of those values in float32, the rest as loaded."""
     from tests.models.dsv4._release import write_release
-    from titan_thd.lora.merge import merged_weight
+    from titan_thd.export.merge import merged_weight
     from titan_thd.models import get_model_spec
 
     args = micro(vocab_size=320)

@@ -13,9 +13,10 @@ import peft  # the test extra installs it: a missing peft fails, never skips
 import pytest
 import torch
 
+from tests.lora._helpers import write_peft
 from tests.models.dsv4._util import doc_slices, packed
 from tests.models.dsv4.test_hf_parity import LENGTHS, TOL, hf_dir, hf_logits, our_logits, ours  # noqa: F401
-from titan_thd.lora.peft import NotExportable, adapter_config, peft_tensors, write_peft
+from titan_thd.lora.peft import NotExportable, adapter_config, peft_tensors
 from titan_thd.lora.targets import attach, init_adapters, is_adapter, resolve_lora
 from titan_thd.models import get_model_spec
 from titan_thd.models.dsv4.lora_targets import LORA as DSV4

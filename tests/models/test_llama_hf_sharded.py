@@ -11,7 +11,7 @@ import torch
 
 from tests._dist import spawn
 from titan_thd.models import get_model_spec
-from titan_thd.models.hf import export, load_into
+from titan_thd.models.hf import HFFolder, export, load_into
 from titan_thd.models.llama import flavors
 from titan_thd.models.llama.model import build_llama
 
@@ -39,12 +39,12 @@ def _nan_model():
 def test_plain_and_stage_load_bitwise(exported):
     want, path = exported
     model = _nan_model()
-    assert load_into(SPEC, model, path).bytes_read == sum(v.nbytes for v in want.values())
+    assert load_into(model, HFFolder(SPEC, path)).bytes_read == sum(v.nbytes for v in want.values())
     for k, v in model.state_dict().items():
         assert torch.equal(v, want[k]), k
     stage = _nan_model()
     del stage.layers["0"]
-    load_into(SPEC, stage, path)
+    load_into(stage, HFFolder(SPEC, path))
     for k, v in stage.state_dict().items():
         assert torch.equal(v, want[k]), k
 
@@ -60,7 +60,7 @@ def _tp_body(rank, world, path):
         placement = Shard(i % 2) if p.dim() == 2 else Replicate()
         d = distribute_tensor(p.detach(), mesh, [placement], src_data_rank=None)
         model.get_submodule(owner).register_parameter(leaf, torch.nn.Parameter(d))
-    load_into(SPEC, model, path)
+    load_into(model, HFFolder(SPEC, path))
     return {k: v.full_tensor() for k, v in model.state_dict().items()}
 
 
@@ -88,5 +88,5 @@ def test_misshaped_tensor_is_one_line(exported, tmp_path):
     with pytest.raises(
         ValueError, match=rf"wrong shape: \S+: \(3,\) vs model \(\d+.*\({key} in \S+{f.name}\)"
     ):
-        load_into(SPEC, model, bad)
+        load_into(model, HFFolder(SPEC, bad))
     assert all(v.isnan().all() for v in model.state_dict().values())

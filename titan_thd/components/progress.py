@@ -12,7 +12,8 @@ With `announce` False the first line comes after `EVERY` seconds (a phase that i
 The ETA is the elapsed time scaled by the weight still to do (each part's weight, 1 by default, of
 `weight`, by default the number of parts); before the first part is done the line says how long the
 phase has run. Lines go to the
-`titan_thd` logger (the ranks that log; `enabled=False` elsewhere).
+`titan_thd` logger (the ranks that log; `enabled=False` elsewhere), or to `emit` (a command line's
+stderr: scripts/convert_hf.py).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from types import TracebackType
 
 logger = logging.getLogger("titan_thd")
@@ -41,11 +43,13 @@ class Progress:
         every: float | None = None,
         enabled: bool = True,
         announce: bool = True,
+        emit: Callable[[str], None] | None = None,
     ):
         self.what, self.parts, self.unit = what, parts, unit
         self.total = float(parts if weight is None else weight)
         self.every = EVERY if every is None else every
         self.enabled, self.announce = enabled, announce
+        self.emit = emit or (lambda line: logger.info("%s", line))
         self.done, self.count = 0.0, 0
         self.start = time.monotonic()
         self._stop = threading.Event()
@@ -68,7 +72,7 @@ class Progress:
         self.start = time.monotonic()
         if self.enabled:
             if self.announce:
-                logger.info("%s", self.line())
+                self.emit(self.line())
             self._thread = threading.Thread(target=self._beat, name="titan_thd-progress", daemon=True)
             self._thread.start()
         return self
@@ -82,4 +86,4 @@ class Progress:
 
     def _beat(self) -> None:
         while not self._stop.wait(self.every):
-            logger.info("%s", self.line())
+            self.emit(self.line())

@@ -11,7 +11,7 @@ Where the weights come from (the first that applies):
   its files are verified against their CRC-32s (components/checkpoint.py). A LoRA run's checkpoint holds
   its adapters only: the model is built with them (Run.build_model), the base drawn from the seed and
   read from `model.hf_path` as the trainer did, then the adapters read; the checkpoint must come from
-  the config's lora.* and base (titan_thd/inference/lora_export.py `check_adapters`);
+  the config's lora.* and base (titan_thd/export/checkpoint.py `open_checkpoint`);
 - `model.hf_path` of the config (or a `--model.hf_path` override): a Hugging Face folder;
 - `untrained`: the seeded initialisation the trainer would start from (a baseline).
 
@@ -33,15 +33,14 @@ import torch
 from torch import nn
 
 from titan_thd.components.checkpoint import read_model
-from titan_thd.components.checkpoint_folder import model_fingerprint, resolve_step_dir
 from titan_thd.config import Config, Parallelism, load_config
 from titan_thd.data import deepseek_chat
 from titan_thd.data.chat_template import encode_prompt
 from titan_thd.data.tokenizer import END_OF_TURN, Tokenizer
+from titan_thd.export.checkpoint import open_checkpoint
 from titan_thd.inference.generate import Completion, generate
-from titan_thd.inference.lora_export import check_adapters
 from titan_thd.lora.targets import trained_keys
-from titan_thd.models import hf
+from titan_thd.models.hf.base import init_base
 from titan_thd.models.spec import ModelSpec, as_dtype
 from titan_thd.parallel.distributed import parse_device
 from titan_thd.parallel.fsdp import build_on_meta
@@ -134,25 +133,22 @@ def load_model(
             "no weights: give --checkpoint (RUN/checkpoint/step-N, or a run folder), --model.hf_path "
             "(a Hugging Face folder), or --untrained for the seeded initialisation"
         )
-    step_dir, fingerprint = None, {}
-    if checkpoint is not None:  # refuse another model's checkpoint before building anything
-        step_dir = resolve_step_dir(checkpoint, cfg.checkpoint.folder)
-        check_adapters(run, step_dir)  # LoRA: adapters of these lora.*, trained on this base
-        meta = build_on_meta(run.build_model)
-        fingerprint = model_fingerprint([meta], model=cfg.model.name, flavor=run.flavor)
-        read_model(meta, step_dir, fingerprint, load=False)
-    # A LoRA run's model carries its adapters (Run.build_model); its base is drawn from the seed or read
-    # from model.hf_path below, as the trainer's was, in the master dtype the trainer drew it in.
+    # A checkpoint of another model is refused before anything is built (LoRA: adapters of these lora.*,
+    # trained on this base).
+    opened = open_checkpoint(run, checkpoint) if checkpoint is not None else None
+    # A LoRA run's model carries its adapters (Run.build_model); its base is drawn from the seed and read
+    # from model.hf_path (the folder start-up opened), as the trainer's was, in the master dtype the
+    # trainer drew it in.
     model = build_on_meta(run.build_model).to(run.precision.master).to_empty(device="cpu")
-    model.init_weights(cfg.training.seed)  # the trainer's initialisation (what --untrained evaluates)
-    if step_dir is not None:
-        if run.lora is not None and cfg.model.hf_path:
-            hf.load_into(spec, model, cfg.model.hf_path)
-        read_model(model, step_dir, fingerprint, keys=() if run.lora is None else trained_keys(model))
+    folder = run.hf if opened is None or run.lora is not None else None  # a whole-model checkpoint: all of it
+    init_base(model, folder, cfg.training.seed)  # the trainer's initialisation (what --untrained evaluates)
+    if opened is not None:
+        read_model(
+            model, opened.step_dir, opened.fingerprint, keys=() if run.lora is None else trained_keys(model)
+        )
         base = f" (LoRA adapters on {cfg.model.hf_path or 'the seeded base'})" if run.lora else ""
-        source = f"checkpoint {step_dir}{base}"
+        source = f"checkpoint {opened.step_dir}{base}"
     elif cfg.model.hf_path:
-        hf.load_into(spec, model, cfg.model.hf_path)
         source = f"Hugging Face folder {cfg.model.hf_path}"
     else:
         source = f"untrained (seed {cfg.training.seed})"
@@ -160,12 +156,3 @@ def load_model(
     return Loaded(
         model, tokenizer, cfg, spec, device, cfg.training.tokens_per_microbatch, f"{run.model_label} {source}"
     )
-
-
-def one_line(error: BaseException) -> str:
-    """A (possibly multi-line) error message as one line, for the `error:` line of the command lines."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    out = lines[0] if lines else type(error).__name__
-    for line in lines[1:]:
-        out += (" " if out.endswith(":") else "; ") + line
-    return out

@@ -19,10 +19,8 @@ a compressor's `kv_proj`.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
@@ -103,18 +101,3 @@ def adapter_config(plan: LoRAPlan, hf_module: Callable[[str], str], base_model: 
         "target_parameters": params or None,
         "modules_to_save": None,
     }
-
-
-def write_peft(
-    out_dir: str | Path, tensors: dict[str, torch.Tensor], config: dict, dtype: torch.dtype | None
-) -> Path:
-    """Write the two files (tensors cast to `dtype`, default their own), atomically enough for a reader:
-    the config last."""
-    from safetensors.torch import save_file
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    cast = {k: (v if dtype is None else v.to(dtype)).contiguous() for k, v in tensors.items()}
-    save_file(cast, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
-    (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return out

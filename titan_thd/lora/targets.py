@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -44,6 +44,9 @@ class LoRAPlan:
     rank: int
     alpha: float
     rslora: bool
+    base: dict[str, str] | None = field(default=None, repr=False)
+    """The `lora.base` run setting: model.hf_path and its fingerprint (None: a seeded base), stored in
+    checkpoints so that a resume against another base is refused (components/run_settings.py)."""
 
     @property
     def scaling(self) -> float:

@@ -276,3 +276,15 @@ def rank_zero_first(rank: int) -> Iterator[None]:
     yield
     if rank == 0:
         barrier()
+
+
+def env_world_size(name: str) -> int:
+    """The positive integer in the environment variable `name` (1 when unset); ValueError otherwise."""
+    value = os.environ.get(name, "1")
+    try:
+        world_size = int(value)
+    except ValueError:
+        world_size = 0
+    if world_size < 1:
+        raise ValueError(f"environment variable {name} = {value!r}: expected a positive integer (processes)")
+    return world_size

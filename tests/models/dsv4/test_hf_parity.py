@@ -244,9 +244,9 @@ def test_the_hf_load_fills_a_built_model(hf_dir, ours):
 
     model, args = ours
     fresh = build_dsv4(args)
-    hf.load_into(spec, fresh, hf_dir[0])
+    hf.load_into(fresh, hf.HFFolder(spec, hf_dir[0]))
     for k, v in model.state_dict().items():
         if not k.startswith("mtp."):
             assert torch.equal(fresh.state_dict()[k], v), k
     with pytest.raises(ValueError, match="does not match the given args: dim: checkpoint 64 vs 128"):
-        hf.load_into(spec, build_dsv4(dataclasses.replace(args, dim=128)), hf_dir[0])
+        hf.load_into(build_dsv4(dataclasses.replace(args, dim=128)), hf.HFFolder(spec, hf_dir[0]))

@@ -28,7 +28,7 @@ from titan_thd.models.dsv4.parallelize import (
     routed_expert_params,
     tp_divides,
 )
-from titan_thd.models.hf import export, load, load_into
+from titan_thd.models.hf import HFFolder, export, load, load_into
 from titan_thd.models.hf.io import LoadStats
 from titan_thd.models.spec import CompileSpec, ModelSpec, ParallelSpec, PipelineSpec
 
@@ -124,7 +124,7 @@ def load_hf(path: str | Path, flavor_or_args: str | DSv4Args | None = None) -> t
 
 def load_hf_into(model: DSv4Model, path: str | Path) -> LoadStats:
     """Load an HF folder into an allocated (plain or sharded) model, each rank its slices."""
-    return load_into(spec, model, path)
+    return load_into(model, HFFolder(spec, path))
 
 
 def export_hf(

@@ -24,9 +24,10 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
+from torch import nn
 
 from titan_thd.models.hf.io import Plain, SafetensorsFolder, Source
 from titan_thd.models.hf.quant import Format
@@ -114,3 +115,14 @@ class HFAdapter:
     initialises: bool = True
     """Whether `model.hf_path` may initialise a training run from such a folder (False: the load
     serves `load` and scripts/convert_hf.py only, and model.hf_path is refused)."""
+
+
+class HFFamily(Protocol):
+    """What models/hf/ reads of a family's `ModelSpec` (models/spec.py satisfies it): its name, its
+    flavors, its adapter, and how to build the model args describe. A protocol, so that this package
+    needs no import of the spec that imports it."""
+
+    name: str
+    flavors: dict[str, Any]
+    hf: HFAdapter | None
+    build: Callable[[Any], nn.Module]

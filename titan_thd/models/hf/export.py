@@ -2,7 +2,7 @@
 tokenizer files, from a model or a DCP checkpoint streamed a group of tensors at a time.
 
     export(spec, model, model.args, "out")                                   # a model's state dict
-    export(spec, DcpSource(step_dir), args, "out", tokenizer=tok, context=T)  # a trainer checkpoint
+    export(spec, DcpExport(step_dir), args, "out", tokenizer=tok, context=T)  # a trainer checkpoint
 
 The family says only how its tensors and args are spelt (its `ModelSpec.hf`, models/hf/adapter.py).
 """
@@ -12,18 +12,16 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from titan_thd.data.tokenizer import Tokenizer
-from titan_thd.models.hf.load import CONFIG_FILE, adapter_of
+from titan_thd.models.hf.adapter import HFFamily
+from titan_thd.models.hf.folder import CONFIG_FILE, adapter_of
 from titan_thd.models.hf.tokenizer import special_token_ids, write_tokenizer
-from titan_thd.models.hf.write import DEFAULT_MAX_SHARD_SIZE, DcpSource, ModelSource, write_weights
-
-if TYPE_CHECKING:
-    from titan_thd.models.spec import ModelSpec
+from titan_thd.models.hf.write import DEFAULT_MAX_SHARD_SIZE, ExportTensors, ModelExport, write_weights
 
 
 def _owned(t: torch.Tensor) -> torch.Tensor:
@@ -34,8 +32,8 @@ def _owned(t: torch.Tensor) -> torch.Tensor:
 
 
 def export(
-    spec: ModelSpec,
-    source: nn.Module | ModelSource | DcpSource,
+    spec: HFFamily,
+    source: nn.Module | ExportTensors,
     args: Any,
     out_dir: str | Path,
     dtype: torch.dtype | None = None,
@@ -47,7 +45,7 @@ def export(
 ) -> Path:
     """Write config.json and safetensors files of at most `max_shard_size` bytes (with
     model.safetensors.index.json when there are several) that transformers loads, streaming `source`
-    (a model, or models/hf/write.py's `ModelSource` / `DcpSource`: our names -> tensors) a group of
+    (a model, or an export's tensors, models/hf/write.py: our names -> tensors) a group of
     tensors at a time; floating tensors in `dtype` (None = as stored).
 
     With `tokenizer` (the run's; `tokenizer_source` its tokenizer.json path, if any) the folder also
@@ -59,7 +57,7 @@ def export(
 
     adapter = adapter_of(spec)
     if isinstance(source, nn.Module):
-        source = ModelSource(source)
+        source = ModelExport(source)
     out = Path(out_dir)
     write = not dist.is_initialized() or dist.get_rank() == 0
     if write:

@@ -83,6 +83,9 @@ class SafetensorsFolder:
         self.bytes_read = 0
         """Bytes requested from slices so far (tensor data only, headers not counted)."""
         self._handles: dict[Path, object] = {}
+        self.raw_headers: dict[Path, tuple[int, bytes, list[tuple[int, int]]]] = {}
+        """file -> (its size, its header's bytes, each tensor's data offsets), as parsed: what
+        `folder_fingerprint` hashes, so a start-up that fingerprints its base parses no header twice."""
         index = self.path / INDEX_FILE
         if index.is_file():
             try:
@@ -121,10 +124,12 @@ class SafetensorsFolder:
                 (n,) = struct.unpack("<Q", fh.read(8))
                 if n > size - 8:
                     raise ValueError(f"a header of {n} bytes in a file of {size}")
-                header = json.loads(fh.read(n))
+                raw = fh.read(n)
+                header = json.loads(raw)
         except (ValueError, struct.error, UnicodeDecodeError) as e:
             raise ValueError(f"{f}: not a safetensors file (unreadable header: {e})") from None
         header.pop("__metadata__", None)
+        offsets = []
         for name, info in header.items():
             try:
                 begin, end = info["data_offsets"]
@@ -142,6 +147,8 @@ class SafetensorsFolder:
             if name in self.tensors:
                 raise ValueError(f"{f}: {name} is also in {self.tensors[name].file}")
             self.tensors[name] = Stored(name, f, DTYPES[dtype], shape)
+            offsets.append((int(begin), int(end)))
+        self.raw_headers[f] = (size, raw, offsets)
         return header
 
     def read(self, stored: Stored, box: tuple[slice, ...] | None = None) -> torch.Tensor:
@@ -309,38 +316,45 @@ TENSOR_SAMPLE = 16
 """Bytes it reads at the start, the middle and the end of each tensor."""
 
 
-def folder_fingerprint(path: str | Path) -> str:
+def folder_fingerprint(path: str | Path, parsed: SafetensorsFolder | None = None) -> str:
     """A short hash of what identifies a Hugging Face folder's weights without reading them: config.json,
     the index, every safetensors file's size and header, three samples of each file's tensor bytes and
     three of each tensor's (its first, middle and last 16 bytes: so two checkpoints of one architecture,
     whose headers agree, differ, and so does a folder with one tensor replaced; a change confined to
     bytes not sampled goes unseen). A LoRA run records its base's. 70k tensors (Flash's count) in 7 files:
-    1.4 s from the page cache on a 2-core CPU box, 0.85 s of it parsing the headers."""
+    1.4 s from the page cache on a 2-core CPU box, 0.85 s of it parsing the headers. `parsed`: the
+    folder's headers as already read (`SafetensorsFolder.raw_headers`), not read again."""
     folder = Path(path)
+    known = parsed.raw_headers if parsed is not None else {}
     h = hashlib.blake2b(digest_size=12)
     for name in ("config.json", INDEX_FILE):
         if (folder / name).is_file():
             h.update(name.encode() + (folder / name).read_bytes())
     for f in sorted(folder.glob("*.safetensors")):
-        size = f.stat().st_size
         with f.open("rb", buffering=0) as fh:
-            (n,) = struct.unpack("<Q", fh.read(8))
-            header = fh.read(n)
+            if f in known:
+                size, header, offsets = known[f]
+                n = len(header)
+            else:  # a file the index does not name, or no parsed folder
+                size = f.stat().st_size
+                (n,) = struct.unpack("<Q", fh.read(8))
+                header = fh.read(n)
+                offsets = _data_offsets(header)
             h.update(f"{f.name}/{size}/".encode() + header)
             data = size - 8 - n
             spans = [(at, FINGERPRINT_SAMPLE) for at in (0, data // 2, max(0, data - FINGERPRINT_SAMPLE))]
             fd = fh.fileno()
-            for at, length in sorted(spans + _tensor_samples(header)):  # in file order
+            for at, length in sorted(spans + _tensor_samples(offsets)):  # in file order
                 h.update(os.pread(fd, length, 8 + n + at))
     return h.hexdigest()
 
 
-def _tensor_samples(header: bytes) -> list[tuple[int, int]]:
-    """(offset in the data, length) of the first, middle and last TENSOR_SAMPLE bytes of each tensor a
-    safetensors header names (none when it does not parse: the load reports that)."""
+def _data_offsets(header: bytes) -> list[tuple[int, int]]:
+    """(begin, end) in the data of each tensor a safetensors header names (none when it does not
+    parse: the load reports that)."""
     try:
         entries = json.loads(header)
-        ranges = [
+        return [
             (int(b), int(e))
             for k, v in entries.items()
             if k != "__metadata__"
@@ -348,6 +362,10 @@ def _tensor_samples(header: bytes) -> list[tuple[int, int]]:
         ]
     except (ValueError, TypeError, KeyError, AttributeError):
         return []
+
+
+def _tensor_samples(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """(offset in the data, length) of the first, middle and last TENSOR_SAMPLE bytes of each tensor."""
     spans = []
     for begin, end in ranges:
         length = min(TENSOR_SAMPLE, max(0, end - begin))

@@ -1,6 +1,6 @@
 """A Hugging Face folder -> a trainer checkpoint (DCP), one tensor at a time (scripts/convert_hf.py to-dcp).
 
-    save_dcp(spec, args, path, out, seed)   # {"model": {fqn: tensor}} in DCP's format, one process
+    save_dcp(spec, args, HFFolder(spec, path), out, seed)   # {"model": {fqn: tensor}} in DCP's format
 
 The model is built on the meta device (names, shapes, dtypes: no memory); DCP plans the checkpoint
 from those, and its writer asks for each tensor's data only when it writes it (`SavePlanner.
@@ -14,18 +14,16 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
-from titan_thd.models.hf.load import folder_sources
-from titan_thd.parallel.seeded_init import init_tensor
-
-if TYPE_CHECKING:
-    from titan_thd.models.spec import ModelSpec
+from titan_thd.models.hf.adapter import HFFamily
+from titan_thd.models.hf.base import FrozenBase
+from titan_thd.models.hf.folder import HFFolder
 
 PREFIX = "model."
 """The trainer's checkpoint keys: `model.<fqn>` (components/checkpoint.py)."""
@@ -44,24 +42,18 @@ class _ReadOnWrite(DefaultSavePlanner):
         return self.make(write_item.index.fqn.removeprefix(PREFIX))
 
 
-def save_dcp(spec: ModelSpec, args: Any, path: str | Path, out: str | Path, seed: int) -> int:
-    """Write the model `args` describe, with `path`'s weights, to the DCP folder `out`; returns the
-    number of tensors. The folder is checked first (headers only: nothing is written on bad input)."""
-    folder, sources = folder_sources(spec, args, path)
-    with torch.device("meta"):
-        model = spec.build(args)
-    state = model.state_dict()
-    rules = model.init_rules()
+def save_dcp(family: HFFamily, args: Any, folder: HFFolder, out: str | Path, seed: int) -> int:
+    """Write the model `args` describe, with `folder`'s weights (the rest drawn from `seed`: models/hf/
+    base.py), to the DCP folder `out`; returns the number of tensors. The folder is checked first
+    (headers only: nothing is written on bad input)."""
+    base = FrozenBase(family, args, folder, seed)
+    state = {
+        k: torch.empty(shape, dtype=dtype, device="meta") for k, (shape, dtype) in base.entries().items()
+    }
 
     def make(key: str) -> torch.Tensor:
-        meta = state[key]
-        if key in sources:
-            box = tuple(slice(0, n) for n in meta.shape)
-            t = sources[key].read(folder, box).to(meta.dtype)
-            folder.close()  # unmap what was read: a file's pages stay resident while it is open
-            return t
-        t = torch.empty(meta.shape, dtype=meta.dtype)
-        init_tensor(t, seed, key, rules[key])
+        t = base.tensor(key)
+        base.release()  # one tensor resident at a time
         return t
 
     # A file per tensor: DCP's writer keeps every tensor of a file until the file is written.
@@ -69,5 +61,5 @@ def save_dcp(spec: ModelSpec, args: Any, path: str | Path, out: str | Path, seed
     with warnings.catch_warnings():  # DCP warns that no process group exists: one writer is intended
         warnings.simplefilter("ignore")
         dcp.save({"model": state}, storage_writer=writer, planner=_ReadOnWrite(make))
-    folder.close()
+    base.release()
     return len(state)

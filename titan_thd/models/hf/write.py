@@ -1,7 +1,13 @@
-"""Write a Hugging Face safetensors folder in files of bounded size, one group of tensors at a time.
+"""Write a Hugging Face safetensors folder in files of bounded size, one group of tensors at a time,
+and the one safetensors writer of the package (`SafetensorsFile`, also the PEFT adapter file's).
 
-    source = DcpSource("RUN/checkpoint/step-60")   # or ModelSource(model): our names -> tensors
-    files = write_weights(source, out_dir, items, max_shard_size=parse_size("5GB"))
+    tensors = DcpExport("RUN/checkpoint/step-60")   # or ModelExport(model): our names -> tensors
+    files = write_weights(tensors, out_dir, items, max_shard_size=parse_size("5GB"))
+
+An export's tensors (`ModelExport`, `DcpExport`, titan_thd/export/merge.py `MergedExport`, models/hf/
+base.py `FrozenBase`) answer `entries()` (our name -> (shape, dtype)) and `load(names)` (those
+tensors, whole). The opposite direction, a folder's tensors read into ours, is models/hf/io.py's
+`Source`s.
 
 `items(key, tensor)` yields the HF (name, tensor) pairs of one of our tensors (a family's name
 mapping; an expert stack one expert at a time). Tensors are loaded in groups of about
@@ -17,13 +23,15 @@ from __future__ import annotations
 import json
 import math
 import re
+import struct
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
-from titan_thd.models.hf.io import INDEX_FILE
+from titan_thd.models.hf.io import DTYPES, INDEX_FILE
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9
 """Bytes per safetensors file, transformers' default ("5GB")."""
@@ -42,7 +50,15 @@ def parse_size(text: str | int) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
 
 
-class ModelSource:
+class ExportTensors(Protocol):
+    """Our tensors an export writes, a group at a time (see the module docstring)."""
+
+    def entries(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]: ...
+
+    def load(self, names: list[str]) -> dict[str, torch.Tensor]: ...
+
+
+class ModelExport:
     """The tensors of a model's state dict; a DTensor is gathered with `full_tensor()` when its group
     is loaded (a collective: every rank of its mesh iterates the same groups)."""
 
@@ -61,7 +77,7 @@ class ModelSource:
         return out
 
 
-class DcpSource:
+class DcpExport:
     """The entries `<prefix><name>` of a DCP checkpoint folder (a trainer checkpoint's `model.` or a
     to-dcp folder), read a group at a time with a partial state dict (DCP reads only those entries)."""
 
@@ -99,6 +115,51 @@ class DcpSource:
         return {k.removeprefix(self.prefix): v for k, v in part.items()}
 
 
+_HEADER_DTYPE = {v: k for k, v in DTYPES.items()}
+
+
+class SafetensorsFile:
+    """One safetensors file written as its tensors arrive, its header planned from `entries` (name ->
+    (shape, dtype)): tensors come in that order (checked), each appended without a copy of the file's
+    other tensors; `close()` moves the finished file into place. Data is laid out by decreasing element
+    size (as safetensors' own writer), so every tensor starts aligned to its element."""
+
+    def __init__(self, path: Path, entries: dict[str, tuple[tuple[int, ...], torch.dtype]]):
+        self.order = sorted(entries, key=lambda k: -entries[k][1].itemsize)  # stable: same size, same order
+        header: dict = {"__metadata__": {"format": "pt"}}
+        at = 0
+        for name in self.order:
+            shape, dtype = entries[name]
+            n = math.prod(shape) * dtype.itemsize
+            header[name] = {"dtype": _HEADER_DTYPE[dtype], "shape": list(shape), "data_offsets": [at, at + n]}
+            at += n
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # the data starts on 8 bytes
+        self.path, self.tmp, self.entries, self.bytes = path, Path(f"{path}.tmp"), entries, at
+        self.written = 0
+        self.file = self.tmp.open("wb")
+        self.file.write(struct.pack("<Q", len(raw)) + raw)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        expected = self.order[self.written]
+        assert name == expected, (name, expected)
+        assert (tuple(tensor.shape), tensor.dtype) == self.entries[name], (name, tensor.shape, tensor.dtype)
+        self.file.write(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+        self.written += 1
+
+    def close(self) -> Path:
+        """Move the file into place once safetensors' own reader has read its header back: the header
+        is written here by hand, so a reader that refuses it is found by the export, not by a server."""
+        from safetensors import safe_open
+
+        assert self.written == len(self.order), (self.path, self.written, len(self.order))
+        self.file.close()
+        with safe_open(str(self.tmp), "pt") as f:
+            assert set(f.keys()) == set(self.entries), self.tmp
+        self.tmp.replace(self.path)
+        return self.path
+
+
 class ShardedWriter:
     """safetensors files of at most `max_shard_size` bytes (a larger single tensor gets a file of its
     own), written as tensors arrive; `close()` names them and writes the index."""
@@ -122,13 +183,13 @@ class ShardedWriter:
         self.total += n
 
     def flush(self) -> None:
-        from safetensors.torch import save_file
-
         if not self.buffer:
             return
-        f = self.out / f"model-part-{len(self.files):05d}.safetensors.tmp"
-        save_file(self.buffer, str(f), metadata={"format": "pt"})
-        self.files.append((f, list(self.buffer)))
+        f = self.out / f"model-part-{len(self.files):05d}.safetensors.part"
+        file = SafetensorsFile(f, {k: (tuple(v.shape), v.dtype) for k, v in self.buffer.items()})
+        for name in file.order:
+            file.write(name, self.buffer[name])
+        self.files.append((file.close(), list(self.buffer)))
         self.buffer, self.size = {}, 0
 
     def close(self) -> list[Path]:
@@ -163,14 +224,14 @@ def groups(entries: dict[str, tuple[tuple[int, ...], torch.dtype]], max_bytes: i
 
 
 def write_weights(
-    source: ModelSource | DcpSource,
+    source: ExportTensors,
     out: Path,
     items: Callable[[str, torch.Tensor], Iterator[tuple[str, torch.Tensor]]],
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
     write: bool = True,
 ) -> list[Path]:
     """Stream `source` into safetensors files under `out` (see the module docstring). `write` False:
-    take part in the collectives of a ModelSource of DTensors without writing (ranks other than 0)."""
+    take part in the collectives of a ModelExport of DTensors without writing (ranks other than 0)."""
     writer = ShardedWriter(out, max_shard_size) if write else None
     # Groups of a quarter file: the buffer of the file being filled plus one group stay ~1.25 files.
     for names in groups(source.entries(), max(1, max_shard_size // 4)):

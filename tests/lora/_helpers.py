@@ -1,41 +1,30 @@
-"""Adapters folded into their base weights: W + s * B @ A, in the precision of the export (never into
-FP8 / FP4 codes, where an update of 1e-3 of a weight's scale rounds to nothing).
+"""Whole-model twins of the streamed LoRA exports, for tests only: the merge in place on a model, the
+adapter names by our naming, and the PEFT folder written from a dict of whole tensors (by
+safetensors' own writer, not the package's titan_thd/models/hf/write.py `SafetensorsFile`).
 
-    merged_weight(W, A, B, s)              # one tensor: [.., out, in] + s * [.., out, r] @ [.., r, in]
-    merge_(model)                          # in place on a whole model; the adapters are removed
-    adapter_pair(base)                     # the (A, B) tensor names of a base tensor's adapter
+    merge_(model)                                   # W + s B A in place; the adapters are removed
+    adapter_pair("layers.0.attn.wq_a.weight")       # ("layers.0.attn.wq_a.lora_A", "...lora_B")
+    write_peft(out, tensors, config, dtype)         # adapter_model.safetensors + adapter_config.json
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 from torch import nn
 
+from titan_thd.export.merge import merged_weight
 from titan_thd.lora.targets import adapter_names, is_adapter
-from titan_thd.models.projection import SCALING
+from titan_thd.models.projection import ADAPTERS, SCALING
 from titan_thd.parallel.shards import PAIRS
-
-# Our adapter tensor's last name -> (base parameter it updates, A's name, B's name).
-_OF_BASE = {
-    "weight": ("lora_A", "lora_B"),
-    "w1": ("lora_A_w13", "lora_B_w1"),
-    "w3": ("lora_A_w13", "lora_B_w3"),
-    "w2": ("lora_A_w2", "lora_B_w2"),
-}
-
-
-def merged_weight(W: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scaling: float) -> torch.Tensor:
-    """W + s B A computed in float64 for float64 weights, float32 otherwise, returned in W's dtype
-    (a float32 or bfloat16 export); [E, ...] stacks merge expert by expert."""
-    acc = torch.float64 if W.dtype == torch.float64 else torch.float32
-    delta = torch.matmul(B.to(acc), A.to(acc)) * scaling
-    return (W.to(acc) + delta).to(W.dtype)
 
 
 def adapter_pair(base: str) -> tuple[str, str] | None:
     """(A, B) tensor names of a base tensor's adapter, by our naming (None: `base` is not adaptable)."""
     module, _, leaf = base.rpartition(".")
-    pair = _OF_BASE.get(leaf)
+    pair = ADAPTERS.get(leaf)
     if pair is None:
         return None
     return f"{module}.{pair[0]}", f"{module}.{pair[1]}"
@@ -62,3 +51,17 @@ def merge_(model: nn.Module) -> int:
     for p in model.parameters():
         p.requires_grad_(True)
     return changed
+
+
+def write_peft(
+    out_dir: str | Path, tensors: dict[str, torch.Tensor], config: dict, dtype: torch.dtype | None
+) -> Path:
+    """Write the two files (tensors cast to `dtype`, default their own), the config last."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cast = {k: (v if dtype is None else v.to(dtype)).contiguous() for k, v in tensors.items()}
+    save_file(cast, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out
