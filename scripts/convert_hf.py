@@ -5,9 +5,13 @@
     # AutoModelForCausalLM / AutoTokenizer (dsv4: DeepseekV4ForCausalLM, llama: LlamaForCausalLM)
     .venv/bin/python scripts/convert_hf.py to-hf RUN_OR_CHECKPOINT OUT_DIR --config dsv4_flash_thd.toml [--dtype bfloat16]
 
-    # a LoRA run's checkpoint -> adapter_config.json + adapter_model.safetensors for peft / vLLM on the
-    # base folder (model.hf_path); `to-hf` on a LoRA run writes the merged model, W + s * B @ A
+    # a LoRA run's checkpoint -> adapter_config.json + adapter_model.safetensors for transformers + peft
+    # on the base folder (model.hf_path); `to-hf` on a LoRA run writes the merged model, W + s * B @ A
     .venv/bin/python scripts/convert_hf.py to-peft outputs/dsv4_flash_lora OUT_DIR --config dsv4_flash_lora.toml [--dtype bfloat16]
+
+    # a dsv4 LoRA run's checkpoint -> the same two files in the layout vLLM serves on the release folder
+    # (DeepSeek's tensor names, one adapter per routed expert); prints the `vllm serve` command
+    .venv/bin/python scripts/convert_hf.py to-vllm outputs/dsv4_flash_lora OUT_DIR --config dsv4_flash_lora.toml
 
     # HF (config.json + *.safetensors) -> DCP folder holding the trainer's "model" entries (dsv4)
     .venv/bin/python scripts/convert_hf.py to-dcp HF_DIR OUT_DIR [--flavor tiny]
@@ -64,6 +68,7 @@ from pathlib import Path
 from titan_thd.exits import one_line
 from titan_thd.export import commands
 from titan_thd.export.stack import stack_checkpoint
+from titan_thd.export.vllm_adapters import to_vllm
 from titan_thd.inference.loading import config_argv, inference_config
 from titan_thd.models.hf.write import DEFAULT_MAX_SHARD_SIZE, parse_size
 from titan_thd.run import Run
@@ -114,6 +119,11 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("out", type=Path)
     d.add_argument("--config", required=True, help="the run's TOML (a path or a name in train_configs/)")
     d.add_argument("--dtype", default="float32", help="float32 (default) or bfloat16")
+    v = sub.add_parser("to-vllm", help="a dsv4 LoRA run's checkpoint -> adapter folder vLLM serves")
+    v.add_argument("src", type=Path, help="RUN/checkpoint/step-N or a run folder (its newest step)")
+    v.add_argument("out", type=Path)
+    v.add_argument("--config", required=True, help="the run's TOML (a path or a name in train_configs/)")
+    v.add_argument("--dtype", default="float32", help="float32 (default) or bfloat16")
     c = sub.add_parser("stack-experts", help="trainer checkpoint, per-expert layout -> stacked experts")
     c.add_argument("src", type=Path)
     c.add_argument("out", type=Path)
@@ -123,7 +133,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     p = _parser()
     opts, overrides = p.parse_known_args(argv)
-    if overrides and not (opts.cmd in ("to-hf", "to-peft") and opts.config):
+    if overrides and not (opts.cmd in ("to-hf", "to-peft", "to-vllm") and opts.config):
         p.error(f"unrecognized arguments: {' '.join(overrides)} (config overrides need --config)")
     try:
         if opts.cmd == "to-dcp":
@@ -134,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
             line = commands.to_peft(
                 opts.src, opts.out, opts.dtype, lambda: _run(opts.config, overrides), _stderr
             )
+        elif opts.cmd == "to-vllm":
+            line = to_vllm(opts.src, opts.out, opts.dtype, lambda: _run(opts.config, overrides), _stderr)
         elif opts.config is not None:
             if opts.flavor or opts.hf_config:
                 raise ValueError(

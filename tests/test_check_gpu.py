@@ -19,8 +19,9 @@ STEPS = [
     "4 flash sliding layer", "4 flash csa layer", "4 flash hca layer",
     "5 llama generation", "5 dsv4 generation",
     "6 resident base",
+    "7 vllm adapters",
 ]  # fmt: skip
-NEEDS_CUDA = {"2 llama TE attention"}
+NEEDS_CUDA = {"2 llama TE attention", "7 vllm adapters"}
 
 
 @pytest.fixture(scope="module")
@@ -90,3 +91,45 @@ def test_device_cuda_without_cuda_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("error: --device cuda: ") and "use --device cpu" in err and err.count("\n") == 1
     assert not (tmp_path / "c.json").exists()
+
+
+def test_the_vllm_step_says_why_it_skips(tmp_path, monkeypatch):
+    from titan_thd.check import vllm_adapters
+
+    real = vllm_adapters.importlib.util.find_spec
+    monkeypatch.setattr(vllm_adapters.importlib.util, "find_spec", lambda n: None if n == "vllm" else real(n))
+    out = vllm_adapters.run(cli.Context(torch.device("cpu"), False, tmp_path))
+    assert (out.verdict, out.figure) == (
+        "SKIP",
+        "vllm is not importable here (install vllm 0.34 to serve the adapters)",
+    )
+
+
+def test_the_vllm_step_writes_one_set_of_adapters_in_both_layouts(tmp_path):
+    """What step 7 serves, at a narrow width: vLLM's keys name tensors of its release folder, and expert
+    e's factors are the same numbers as in PEFT's fused layout (A rows e * r.., B columns j * E + e)."""
+    from safetensors.torch import load_file
+
+    from titan_thd.check import vllm_adapters
+    from titan_thd.models.hf.io import SafetensorsFolder
+
+    paths = vllm_adapters.prepare(tmp_path, small=True)
+    index = SafetensorsFolder(paths["release"]).tensors
+    served = load_file(paths["vllm"] / "adapter_model.safetensors")
+    names = {k.removeprefix("base_model.model.").rsplit(".", 2)[0] + ".weight" for k in served}
+    assert names <= set(index) and any(".experts.7.w2." in k for k in served)
+    fused = load_file(paths["peft"] / "adapter_model.safetensors")
+    r, E = vllm_adapters.RANK, 8
+    A_fused = fused["base_model.model.model.layers.1.mlp.experts.base_layer.lora_A.weight"]
+    B_fused = fused["base_model.model.model.layers.1.mlp.experts.base_layer.lora_B.weight"]
+    for e in (0, 5):
+        A = served[f"base_model.model.layers.1.ffn.experts.{e}.w1.lora_A.weight"]
+        B3 = served[f"base_model.model.layers.1.ffn.experts.{e}.w3.lora_B.weight"]
+        assert torch.equal(A, A_fused[e * r : (e + 1) * r])
+        assert torch.equal(B3, B_fused[B3.shape[0] :, e::E])  # gate_up_proj = w1 rows, then w3 rows
+    config = json.loads((paths["vllm"] / "adapter_config.json").read_text())
+    assert config["r"] == r and vllm_adapters.vllm_rank() == 8
+    # the reference half of the step: transformers + peft on the dequantised folder, the adapter moves tokens
+    prompts = vllm_adapters.prompts_of(vllm_adapters.check_args(True)[1].vocab_size)
+    base, adapted = vllm_adapters.transformers_tokens(paths, prompts, torch.device("cpu"))
+    assert [len(t) for t in adapted] == [vllm_adapters.NEW_TOKENS] * len(prompts) and adapted != base

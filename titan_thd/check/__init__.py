@@ -15,7 +15,9 @@ and the check goes on):
    memory against the activation estimate per layer (layers.py);
 5. greedy generation with the cache on the device equal to the CPU's tokens (generation.py);
 6. a LoRA base kept as released (FP8 blocks, packed FP4 experts) dequantised per use on the device
-   equal to the CPU path in float64, and what per-use dequantisation costs (resident.py).
+   equal to the CPU path in float64, and what per-use dequantisation costs (resident.py);
+7. where `vllm` is importable: vLLM serves adapters in `to-vllm`'s layout on a release-format folder
+   with the greedy tokens of transformers + peft on the same adapters (vllm_adapters.py; SKIP otherwise).
 On a machine without CUDA (or with `--device cpu`) the same steps run at CPU scale; those that need CUDA
 say SKIP. One table at the end, and the same rows in the JSON file of `--out`.
 """

@@ -73,10 +73,11 @@ def table(rows: list[Row]) -> str:
 
 
 def steps() -> list[Step]:
-    from titan_thd.check import generation, layers, recipes, resident
+    from titan_thd.check import generation, layers, recipes, resident, vllm_adapters
 
     return sorted(
-        [*recipes.STEPS, *layers.STEPS, *generation.STEPS, *resident.STEPS], key=lambda s: s.name.split()[0]
+        [*recipes.STEPS, *layers.STEPS, *generation.STEPS, *resident.STEPS, *vllm_adapters.STEPS],
+        key=lambda s: s.name.split()[0],
     )
 
 

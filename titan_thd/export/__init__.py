@@ -7,6 +7,7 @@ it does is here or in the family-generic Hugging Face door it calls, titan_thd/m
                    base, fingerprint), the run's model on the meta device; inference opens it so too
     merge.py       `MergedExport`: the base with a LoRA run's adapters folded in, W + s * B @ A
     adapters.py    `write_peft`: a LoRA run's adapters in PEFT's format (the layout: lora/peft.py)
+    vllm_adapters.py  `to_vllm`: a dsv4 LoRA run's adapters in the layout vLLM serves (lora/vllm.py)
     stack.py       a checkpoint of per-expert tensors -> stacked experts (stack-experts)
 
 Below it, in titan_thd/models/hf/: `export` (a model or an export's tensors -> an HF folder with the

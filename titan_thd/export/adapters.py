@@ -1,5 +1,5 @@
 """A LoRA run's adapters in PEFT's format (`adapter_config.json` + `adapter_model.safetensors`, the
-layout of lora/peft.py), for peft and vLLM on the base folder (scripts/convert_hf.py to-peft;
+layout of lora/peft.py), for transformers + peft on the base folder (scripts/convert_hf.py to-peft;
 docs/lora.md §3): read from the checkpoint and written a block of layers at a time, never the base.
 
     check_exportable(run)                                   # before the checkpoint is read

@@ -1,5 +1,6 @@
 """Adapters in PEFT's format: `adapter_config.json` + `adapter_model.safetensors` that `peft` loads onto
-transformers' model of the base folder, and vLLM serves (docs/lora.md §3).
+transformers' model of the base folder (docs/lora.md §3): for transformers + peft. vLLM's DeepSeek-V4
+reads other names (DeepSeek's release tensors, one adapter per routed expert): lora/vllm.py, to-vllm.
 
 Legend:  r rank   E routed experts   d model width   F expert width
 
