@@ -119,7 +119,7 @@ fi
 if [[ "$TITAN_THD_MALLOC" == reuse ]]; then
   # glibc gives every freed block over 32 MiB back to the OS and the next step faults its pages in
   # again (zeroed): at d = 1,024 and 4K rows the [T, N, d] mHC streams are 64 MiB each, and those
-  # faults were a third of a CPU training step (docs/dsv4.md §16). One process keeps freed memory in
+  # faults were a third of a CPU training step (docs/results.md §17.4). One process keeps freed memory in
   # the heap for reuse at little cost beyond its step's peak; several ranks would each keep theirs.
   export MALLOC_MMAP_MAX_="${MALLOC_MMAP_MAX_:-0}" MALLOC_TRIM_THRESHOLD_="${MALLOC_TRIM_THRESHOLD_:-1099511627776}"
 fi

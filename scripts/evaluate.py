@@ -3,13 +3,16 @@
     .venv/bin/python scripts/evaluate.py --checkpoint outputs/dsv4_flash_thd/checkpoint/step-40 \\
         --config dsv4_flash_thd.toml --limit 200
     .venv/bin/python scripts/evaluate.py --untrained --config dsv4_flash_thd.toml --limit 200   # baseline
+    .venv/bin/python scripts/evaluate.py --checkpoint outputs/dsv4_flash_lora --config dsv4_flash_lora.toml \\
+        --model.hf_path outputs/dsv4_flash_thd/hf --limit 200   # a LoRA run: its adapters on its base
 
 Every user question of the first --limit conversations of the held-out set (titan_thd/assets/
 chat_heldout.jsonl.gz, never trained on: see titan_thd/inference/evaluation.py) is answered greedily
 with its true conversation history and graded by the dataset's checker. Prints per task family the
 exact-answer accuracy ("The answer is X." with the right X), the format accuracy ("The answer is
 ...." at the end) and, for calculator conversations, the tool-call accuracy; --json PATH writes the
-same numbers. --checkpoint / --config / overrides as for scripts/generate.py.
+same numbers. --checkpoint / --config / overrides as for scripts/generate.py: a LoRA run's checkpoint
+holds its adapters only, so give the LoRA run's --config and its base as --model.hf_path.
 """
 
 from __future__ import annotations
@@ -27,7 +30,11 @@ from titan_thd.inference.loading import config_argv, load_model
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", help="RUN/checkpoint/step-N, a checkpoint folder or a run folder")
+    p.add_argument(
+        "--checkpoint",
+        help="RUN/checkpoint/step-N, a checkpoint folder or a run folder (a LoRA run's: with its base as "
+        "--model.hf_path)",
+    )
     p.add_argument("--config", required=True, help="the run's TOML: a path or a name in train_configs/")
     p.add_argument("--untrained", action="store_true", help="no weights: the seeded initialisation")
     p.add_argument("--limit", type=int, default=200, help="conversations to evaluate (0 = all 1,000)")

@@ -5,15 +5,20 @@
     .venv/bin/python scripts/generate.py --checkpoint outputs/dsv4_flash_thd --config dsv4_flash_thd.toml -i
     .venv/bin/python scripts/generate.py --config dsv4_flash_thd.toml --model.hf_path HF_DIR \\
         --chat '[{"role": "user", "content": "Reverse the string \\"abc\\"."}]'
+    .venv/bin/python scripts/generate.py --checkpoint outputs/dsv4_flash_lora --config dsv4_flash_lora.toml \\
+        --model.hf_path outputs/dsv4_flash_thd/hf --prompt "What is 12 + 7?" --max_new_tokens 24
 
 --checkpoint: a trainer checkpoint (RUN/checkpoint/step-N) of any parallel layout, a checkpoint folder or a
 run folder (its newest step); or give --model.hf_path (a Hugging Face folder), or --untrained. --config is
 the run's TOML (a path or a name in train_configs/); other `--section.field value` arguments override it as
-for the trainer. Each --prompt is one user turn (after --system, if given), answered as the assistant;
---raw continues plain text instead. Several --prompt are generated together in one packed batch. The
-reply ends at the end-of-turn token (or after --max_new_tokens). --temperature 0 is greedy (the
-default); otherwise sampling with --top_k / --top_p and --seed. stdout gets the completions only; one
-line on stderr says what was loaded and the speed. A bad input is one `error:` line, exit code 2.
+for the trainer. A LoRA run's checkpoint holds its adapters only (the last example): give the LoRA run's
+--config and the base it was trained on as --model.hf_path (none for a base drawn from the seed); its
+merged export (`convert_hf.py to-hf` of the LoRA run) is a plain --model.hf_path. Each --prompt is one
+user turn (after --system, if given), answered as the assistant; --raw continues plain text instead.
+Several --prompt are generated together in one packed batch. The reply ends at the end-of-turn token
+(or after --max_new_tokens). --temperature 0 is greedy (the default); otherwise sampling with --top_k /
+--top_p and --seed. stdout gets the completions only; one line on stderr says what was loaded and the
+speed. A bad input is one `error:` line, exit code 2.
 """
 
 from __future__ import annotations
@@ -31,7 +36,11 @@ from titan_thd.inference.sampling import Sampling
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", help="RUN/checkpoint/step-N, a checkpoint folder or a run folder")
+    p.add_argument(
+        "--checkpoint",
+        help="RUN/checkpoint/step-N, a checkpoint folder or a run folder (a LoRA run's: with its base as "
+        "--model.hf_path)",
+    )
     p.add_argument("--config", required=True, help="the run's TOML: a path or a name in train_configs/")
     p.add_argument("--untrained", action="store_true", help="no weights: the seeded initialisation")
     p.add_argument("--prompt", action="append", default=[], help="a user turn (repeat for several)")

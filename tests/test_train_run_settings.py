@@ -6,13 +6,16 @@
 - the settings that place the data position cannot change; bad allow_changes names are refused;
 - a new run into a folder with another run's metrics is refused (naming the folder and the flags), a
   rerun of the same settings and `metrics.overwrite` replace them;
-- every run ends with a summary line; the header names the data file actually read.
+- every run ends with a summary line; a finished run's says how to train further, and that command,
+  followed as printed, resumes and trains on; the header names the data file actually read.
 """
 
 import json
 import logging
 import math
 import re
+import shlex
+from pathlib import Path
 
 import pytest
 import torch
@@ -122,6 +125,59 @@ def test_resume_with_another_schedule_is_refused_or_continues_with_the_override(
     assert decays <= {0.3, 0.0} and 0.3 in decays  # not the checkpoint's 0.1
     # The run's record now holds the new settings: the same command again resumes without a word.
     assert json.loads((tmp_path / "run.json").read_text())["settings"]["optimizer.weight_decay"] == 0.3
+
+
+def _hint(messages: list[str], step: int) -> tuple[str, list[str]]:
+    """(why, the trainer's argv) of the summary's `to train to step N (why): ./run_train.sh --config X ...`."""
+    (summary,) = [m for m in messages if m.startswith("summary: ")]
+    why, command = re.search(
+        rf"; to train to step {step} \((.+?)\): (\./run_train\.sh .*)$", summary
+    ).groups()
+    launcher, flag, name, *rest = shlex.split(command)
+    assert (launcher, flag) == ("./run_train.sh", "--config")
+    return why, [
+        "--job.config_file",
+        str(Path(__file__).resolve().parents[1] / "train_configs" / name),
+        *rest,
+    ]
+
+
+@pytest.mark.parametrize("pinned", [False, True])
+def test_the_summary_s_command_to_train_further_is_accepted_as_printed(tmp_path, tiny_llama, caplog, pinned):
+    """A finished run's summary names a command that trains it further; run as printed it resumes (no
+    refusal), and the learning rate of the new steps is the schedule the message announces."""
+    recipe = Path(__file__).resolve().parents[1] / "train_configs" / "debug_dense_thd.toml"
+    pin = ["--lr_scheduler.total_steps", "2"] if pinned else []
+    first = [
+        "--job.config_file",
+        str(recipe),
+        *args(tiny_llama, tmp_path, 2, "--checkpoint.enable", "true", *pin),
+    ]
+    with caplog.at_level(logging.INFO, logger="titan_thd"):
+        assert main(first) == 0
+    why, further = _hint(caplog.messages, 4)
+    assert ("--checkpoint.allow_changes" in further) != pinned
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="titan_thd"):
+        assert main(further) == 0, caplog.text
+    got = records(tmp_path)
+    assert [r["step"] for r in got] == [1, 2, 3, 4]
+    lr = 2e-3  # debug_dense_thd.toml's optimizer.lr
+    total = 2 if pinned else 4
+    assert why == (
+        "the LR schedule keeps its lr_scheduler.total_steps = 2"
+        if pinned
+        else "the LR schedule is 4 steps long from here on"
+    )
+    for r in got[2:]:
+        want = lr * lr_factor(
+            r["step"] - 1, warmup_steps=1, total_steps=total, decay="cosine", min_lr_factor=0.1
+        )
+        assert r["lr"] == pytest.approx(want, rel=1e-12)
+    # The resumed run finished too: its own summary says how to go on, each flag once.
+    again = _hint(caplog.messages, 8)[1]
+    assert again.count("--training.steps") == 1 and again[again.index("--training.steps") + 1] == "8"
+    assert again.count("--checkpoint.allow_changes") == (0 if pinned else 1)
 
 
 def test_fixed_settings_and_bad_override_names(tmp_path, tiny_llama, caplog):

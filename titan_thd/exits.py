@@ -188,12 +188,35 @@ def summary_line(
     elif checkpoint is None:
         ckpt = "; no checkpoint (--checkpoint.enable true saves them and resumes)"
     else:
-        more = " (add --training.steps N to train further)" if step >= cfg.training.steps else ""
+        more = f"; {train_further(argv, cfg, step)}" if step >= cfg.training.steps else ""
         ckpt = f"; checkpoint {checkpoint}; resume with: {resume_command(argv, cfg)}{more}"
     return (
         f"summary: {did}, {tokens:,} tokens in all, {minutes}m{secs:02d}s{final}; "
         f"metrics {dump / 'metrics.jsonl'}{tb}{ckpt}"
     )
+
+
+def train_further(argv: list[str], cfg: Config, step: int) -> str:
+    """How a finished run trains on, as a command that is accepted as printed (to twice its steps). With
+    `lr_scheduler.total_steps = 0` the schedule's length is training.steps, so more steps change the
+    LR schedule, a run setting that a resume refuses unless checkpoint.allow_changes names it
+    (components/run_settings.py): the command names it, and the message says what it changes."""
+    more = ["--training.steps", str(2 * step)]
+    pinned = cfg.lr_scheduler.total_steps
+    if pinned:
+        why = f"the LR schedule keeps its lr_scheduler.total_steps = {pinned}"
+    else:
+        key = "lr_scheduler.total_steps"
+        allowed = [*cfg.checkpoint.allow_changes, *([key] * (key not in cfg.checkpoint.allow_changes))]
+        more += ["--checkpoint.allow_changes", ",".join(allowed)]
+        why = f"the LR schedule is {2 * step} steps long from here on"
+    kept, rest = [], iter(argv)  # the values replaced: each flag once in the command
+    for arg in rest:
+        if arg in more[::2]:
+            next(rest, None)
+        elif arg.split("=")[0] not in more[::2]:
+            kept.append(arg)
+    return f"to train to step {2 * step} ({why}): {resume_command([*kept, *more], cfg)}"
 
 
 def resume_command(argv: list[str], cfg: Config) -> str:

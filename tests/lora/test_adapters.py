@@ -92,6 +92,26 @@ def test_bad_lora_settings_are_one_line(targets, rank, message):
         assert "experts.w13" in str(e.value) and "shared_expert" in str(e.value)
 
 
+@pytest.mark.parametrize("targets", [ALL_DSV4, ["attention"], ["shared_expert", "experts"]])
+def test_a_rank_too_large_is_refused_with_the_true_bound(targets):
+    """The bound the refusal names is accepted as it is: no second refusal lowers it."""
+    model = build_dsv4_random(micro())
+    with pytest.raises(ValueError, match=r"use lora\.rank <= (\d+) or drop that target") as e:
+        resolve_lora(targets, 10_000, 1.0, False, DSV4, model, "dsv4/micro")
+    bound = int(e.value.args[0].split("use lora.rank <= ")[1].split()[0])
+    resolve_lora(targets, bound, 1.0, False, DSV4, model, "dsv4/micro")  # accepted
+    with pytest.raises(ValueError, match=rf"use lora\.rank <= {bound} or"):
+        resolve_lora(targets, bound + 1, 1.0, False, DSV4, model, "dsv4/micro")
+    # The bound is the smaller side of the narrowest adapted weight, read off the model here.
+    adapted = attach(model, resolve_lora(targets, 1, 1.0, False, DSV4, model, "dsv4/micro"))
+    sides = [
+        min(p.shape[-2:])
+        for n, p in model.named_parameters()
+        if not is_adapter(n) and p.dim() >= 2 and n.rsplit(".", 1)[0] in adapted
+    ]
+    assert bound == min(sides)
+
+
 def test_a_family_without_targets_and_a_missing_module_are_refused():
     model = build_dsv4_random(micro())
     with pytest.raises(ValueError, match="has no LoRA targets"):

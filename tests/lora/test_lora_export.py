@@ -316,8 +316,5 @@ def test_readme_lora_chain_runs_as_written(tmp_path):
         [str(tmp_path / ".venv/bin/python"), "-c", snippet], cwd=tmp_path, capture_output=True, text=True
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    ask = (
-        ".venv/bin/python scripts/generate.py --checkpoint outputs/dsv4_flash_lora --config dsv4_flash_lora.toml "
-        '--model.hf_path outputs/dsv4_flash_thd/hf --prompt "What is 12 + 7?" --max_new_tokens 24'
-    )
+    ask = next(line for line in lora if "scripts/generate.py" in line)  # the README's LoRA checkpoint line
     assert run_line(ask, tmp_path, step=2).stdout == proc.stdout

@@ -27,6 +27,14 @@ from titan_thd.parallel.activation_checkpoint import describe
 from titan_thd.parallel.parallel_dims import ParallelDims
 
 
+def model_name(cfg: Config, flavor: str) -> str:
+    """`dsv4/tiny`; with an empty flavor the architecture is the config.json of model.hf_path, and the
+    header says so: `dsv4 (config.json of PATH)`."""
+    return (
+        f"{cfg.model.name}/{flavor}" if flavor else f"{cfg.model.name} (config.json of {cfg.model.hf_path})"
+    )
+
+
 def header_lines(
     cfg: Config,
     *,
@@ -53,7 +61,7 @@ def header_lines(
     c, d, ac = cfg, dims, cfg.activation_checkpoint
     lines = [
         c.job.description or "titan_thd",
-        f"model {c.model.name}/{flavor}: {num_params:,} parameters, vocab {model_args.vocab_size} "
+        f"model {model_name(c, flavor)}: {num_params:,} parameters, vocab {model_args.vocab_size} "
         f"(tokenizer {tokenizer.vocab_size}), dtype {c.training.dtype}",
         *([note] if (note := getattr(tokenizer, "added_tokens_note", str)()) else []),
         *([lora_line] if lora_line else []),

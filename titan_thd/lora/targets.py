@@ -130,6 +130,7 @@ def resolve_lora(
             f"lora.alpha = {alpha}: expected a positive number (the update is scaled by alpha / rank)"
         )
     blocks = _blocks(model)
+    narrowest: tuple[int, str] = (rank, "")  # the true bound at once, not the first target's
     for name in chosen:
         target = family.targets[name]
         for where, block in blocks.items():
@@ -142,11 +143,13 @@ def resolve_lora(
             check_projection(name, where, target, module)
             for p in target.params:
                 out, inp = _shape(module, p)[-2:]
-                if rank > min(out, inp):
-                    raise ValueError(
-                        f"lora.rank = {rank} is larger than the smaller side of {name} ({where}.{target.module}"
-                        f".{p}: {out} x {inp}); use lora.rank <= {min(out, inp)} or drop that target"
-                    )
+                if min(out, inp) < narrowest[0]:
+                    narrowest = (min(out, inp), f"{name} ({where}.{target.module}.{p}: {out} x {inp})")
+    if narrowest[1]:
+        raise ValueError(
+            f"lora.rank = {rank} is larger than the smaller side of {narrowest[1]}, the narrowest of the "
+            f"targets; use lora.rank <= {narrowest[0]} or drop that target"
+        )
     return LoRAPlan(chosen, family, rank, alpha, rslora)
 
 

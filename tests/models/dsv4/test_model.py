@@ -356,7 +356,7 @@ def test_a_step_runs_no_per_token_matrix_product(dtype):
     aten cannot hand to one batched GEMM (the first layer's streams as a stride-0 expand of the
     embedding, a permuted Sinkhorn result) runs one GEMM per token: a `select` of each operand per
     token, seen here as a select or clone of a [T, ...] tensor at least T times (with the expand:
-    5 such groups at T = 149; 22k selects per step at tiny, T = 1,744; docs/dsv4.md §16)."""
+    5 such groups at T = 149; 22k selects per step at tiny, T = 1,744; docs/results.md §17.5)."""
     args = micro()
     model = build(args, dtype=dtype).train()
     tokens, batch = packed(**DOCS, vocab=args.vocab_size, trained=0.7)

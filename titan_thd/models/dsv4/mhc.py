@@ -163,7 +163,7 @@ class _Post(torch.autograd.Function):
         dh = comb g,   dcomb = h g^T,   dpost = g y,   dy = post^T g
     Autograd through the formula materialises post * y, the product and their sum as separate
     [T, N, d] tensors and reduces the multiply's gradients in two more passes: 1.4x slower forward
-    + backward at d = 1,024, T = 4,096 (docs/dsv4.md §16)."""
+    + backward at d = 1,024, T = 4,096 (docs/results.md §17.2)."""
 
     @staticmethod
     def forward(ctx, y_TD, h_TND, post_TN, comb_TNN):
