@@ -37,8 +37,16 @@ fingerprint of model.hf_path, or the seed), read only the adapter entries, and n
 writes a block of adapters at a time (--dtype float32 by default). `to-hf` reads the base a group of
 tensors at a time (model.hf_path's, FP8 / FP4 dequantised on read, or drawn from training.seed),
 folds each adapter in as W + s * B @ A in float32 (expert stacks one expert at a time) and writes
-float32 or bfloat16: never FP8 / FP4 codes, where the update would round away (refused in one line).
-Its peak is the same as above plus one group's adapters.
+float32 or bfloat16. Its peak is the same as above plus one group's adapters.
+
+    # a run (LoRA or full) whose base model.hf_path is a release folder -> that folder's own format:
+    # FP8 e4m3 / packed FP4 e2m1 with power-of-two block scales where the base stores them, the rest
+    # as the base stores it, its quantization_config (titan_thd/models/hf/released.py, docs/lora.md §6);
+    # a LoRA run's merge prints per target how much of the update survives the re-encoding
+    .venv/bin/python scripts/convert_hf.py to-hf outputs/dsv4_flash_lora OUT_DIR --config dsv4_flash_lora.toml --dtype released
+
+    # any HF folder (dsv4) -> DeepSeek's release format, e.g. a small base to try lora.base_dtype = "released"
+    .venv/bin/python scripts/convert_hf.py to-release HF_DIR OUT_DIR [--fp8-block 128x128]
 
     # a trainer checkpoint written before the routed experts were stacked (one tensor per expert)
     # -> the same checkpoint with [E, out, in] stacks (model and optimizer state; resumable)
@@ -88,7 +96,9 @@ from titan_thd.inference.lora_export import (
     lora_checkpoint,
     write_peft_streamed,
 )
+from titan_thd.inference.released_export import release_encoder
 from titan_thd.models import MODEL_NAMES, get_model_spec, hf
+from titan_thd.models.hf.released import write_release
 from titan_thd.models.hf.to_dcp import save_dcp
 from titan_thd.models.hf.write import DEFAULT_MAX_SHARD_SIZE, DcpSource, parse_size
 from titan_thd.parallel.fsdp import build_on_meta
@@ -156,7 +166,7 @@ def run_to_hf(
     the checkpoint's model entries a group at a time (the model is never built). A LoRA run's: the
     base (model.hf_path or the seed) with its adapters merged, W + s * B @ A (inference/lora_export.py)."""
     run = _run(config, overrides)
-    check_merge_dtype(dtype, lora=run.lora is not None)  # never FP8 / FP4: the update would round away
+    check_merge_dtype(dtype, lora=run.lora is not None, released=True)  # FP8 / FP4: as the base stores them
     cfg = run.cfg
     if run.lora is not None:
         step_dir, meta = lora_checkpoint(run, src)
@@ -168,20 +178,26 @@ def run_to_hf(
         fingerprint = model_fingerprint([meta], model=cfg.model.name, flavor=run.flavor)
         read_model(meta, step_dir, fingerprint, load=False)
         source = DcpSource(step_dir, "model.")
+    # --dtype released: the base folder's own FP8 / FP4 format (inference/released_export.py)
+    encoder, extra = release_encoder(run, source) if dtype == "released" else (None, None)
     hf.export(
         run.spec,
         source,
         run.model_args,
         out,
-        getattr(torch, dtype) if dtype else None,
+        getattr(torch, dtype) if dtype and encoder is None else None,
         tokenizer=run.tokenizer,
         tokenizer_source=None if cfg.data.tokenizer == "byte" else cfg.data.tokenizer,
         context=cfg.training.tokens_per_microbatch,
         max_shard_size=max_shard_size,
+        encode=encoder,
+        config_extra=extra,
     )
     files = ", ".join(sorted(p.name for p in out.iterdir()))
     merged = f" (base + the adapters of {source.merged} tensors)" if run.lora is not None else ""
     print(f"wrote {out} from checkpoint {step_dir}{merged}: {files}")
+    for line in encoder.report() if encoder is not None else []:
+        print(line)
 
 
 def _dcp_args(spec, source: DcpSource, flavor: str | None, hf_config: Path | None):
@@ -253,6 +269,11 @@ def to_hf(
     ]
     if shapes:
         raise ValueError(f"{dcp_dir} does not have this architecture's shapes: " + "; ".join(shapes[:5]))
+    if dtype == "released":
+        raise ValueError(
+            "--dtype released writes the format of a run's base folder: give the run's --config (model.hf_path "
+            "a release-format folder), or write a folder in the release format with to-release"
+        )
     check_merge_dtype(dtype, lora=False)
     hf.export(
         spec, source, args, out, getattr(torch, dtype) if dtype else None, max_shard_size=max_shard_size
@@ -343,6 +364,21 @@ def stack_checkpoint(src: Path, out: Path) -> None:
     print(f"wrote {out}: step {meta['step']}, {len(state['model'])} model tensors (experts stacked)")
 
 
+def to_release(hf_dir: Path, out: Path, block: str, max_shard_size: int) -> None:
+    """Any HF folder -> the family's release format (FP8 / packed FP4, models/hf/released.py)."""
+    m = re.fullmatch(r"(\d+)x(\d+)", block)
+    if m is None or int(m[1]) <= 0 or int(m[2]) <= 0:
+        raise ValueError(f"--fp8-block {block!r}: expected ROWSxCOLS, e.g. 128x128 (the release's) or 16x16")
+    if out.exists() and any(out.iterdir()):
+        raise ValueError(f"{out} exists and is not empty")
+    spec, args = hf_family(hf_dir)
+    encoder = write_release(spec, args, hf_dir, out, (int(m[1]), int(m[2])), max_shard_size)
+    size = sum(p.stat().st_size for p in out.glob("*.safetensors"))
+    print(f"wrote {out} in the release format (FP8 blocks {block}, FP4 experts): {size / 1e6:.1f} MB")
+    for line in encoder.report():
+        print(line)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -358,7 +394,11 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--config", default=None, help="the run's TOML (a path or a name in train_configs/)")
     b.add_argument("--flavor", default=None, help="without --config: the flavor of a DCP folder")
     b.add_argument("--hf-config", type=Path, default=None, help="without --config: an HF config.json")
-    b.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: as stored)")
+    b.add_argument(
+        "--dtype",
+        default=None,
+        help="float32, bfloat16 (default: as stored) or released (the base folder's FP8 / FP4 format)",
+    )
     b.add_argument(
         "--max-shard-size",
         type=parse_size,
@@ -370,6 +410,15 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("out", type=Path)
     d.add_argument("--config", required=True, help="the run's TOML (a path or a name in train_configs/)")
     d.add_argument("--dtype", default="float32", help="float32 (default) or bfloat16")
+    r = sub.add_parser("to-release", help="HF folder -> the family's release format (FP8 / packed FP4)")
+    r.add_argument("src", type=Path, help="an HF folder (config.json + *.safetensors)")
+    r.add_argument("out", type=Path)
+    r.add_argument(
+        "--fp8-block",
+        default="128x128",
+        help="FP8 scale block ROWSxCOLS (default the release's 128x128; 16x16 lets a tiny model's TP cuts fall on blocks)",
+    )
+    r.add_argument("--max-shard-size", type=parse_size, default=DEFAULT_MAX_SHARD_SIZE)
     c = sub.add_parser("stack-experts", help="trainer checkpoint, per-expert layout -> stacked experts")
     c.add_argument("src", type=Path)
     c.add_argument("out", type=Path)
@@ -379,6 +428,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if opts.cmd == "to-dcp":
             to_dcp(opts.src, opts.out, opts.flavor)
+        elif opts.cmd == "to-release":
+            to_release(opts.src, opts.out, opts.fp8_block, opts.max_shard_size)
         elif opts.cmd == "stack-experts":
             stack_checkpoint(opts.src, opts.out)
         elif opts.cmd == "to-peft":

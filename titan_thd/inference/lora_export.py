@@ -45,21 +45,22 @@ Progress = Callable[[str], None]
 LORA_SETTINGS = ("lora.rank", "lora.alpha", "lora.rslora", "lora.targets", "lora.base")
 """Run settings a checkpoint's adapters depend on beyond their names and shapes (its fingerprint)."""
 QUANTIZED = ("float8", "fp8", "fp4", "float4", "int8", "int4", "mxfp", "nvfp")
-"""Prefixes of quantised dtype names that a merge is refused in (the update would round away)."""
+"""Prefixes of quantised dtype names refused as a merge's dtype (`released` writes FP8 / FP4 codes)."""
 
 
-def check_merge_dtype(dtype: str | None, lora: bool) -> None:
-    """ValueError unless `dtype` is one an export writes (float32, bfloat16; None: as stored); a LoRA
-    run's refusal of FP8 / FP4 says why."""
-    if dtype is None or dtype in ("float32", "bfloat16"):
+def check_merge_dtype(dtype: str | None, lora: bool, released: bool = False) -> None:
+    """ValueError unless `dtype` is one an export writes (float32, bfloat16; None: as stored; with
+    `released`, the base folder's own FP8 / FP4 format); a LoRA run's refusal of FP8 / FP4 names
+    `released`, the one way a merge is written into codes."""
+    allowed = ("float32", "bfloat16", "released") if released else ("float32", "bfloat16")
+    if dtype is None or dtype in allowed:
         return
     if lora and dtype.lower().startswith(QUANTIZED):
         raise ValueError(
-            f"--dtype {dtype}: the merged model is written in float32 or bfloat16, never in FP8 / FP4 codes: "
-            "the update s * B @ A is far below one code step of a weight's block scale and would round away "
-            "(serve the base as released with the adapters of to-peft instead)"
+            f"--dtype {dtype}: the merged model is written in float32 or bfloat16, or with --dtype released in the "
+            "base folder's own FP8 / FP4 format (it prints how much of the update survives the re-encoding)"
         )
-    raise ValueError(f"--dtype {dtype}: expected float32 or bfloat16")
+    raise ValueError(f"--dtype {dtype}: expected {' or '.join(allowed)}")
 
 
 def check_adapters(run: Run, step_dir: Path) -> None:
