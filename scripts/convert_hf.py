@@ -225,6 +225,11 @@ def to_hf(
     max_shard_size: int,
 ) -> None:
     """A DCP folder (to-dcp's, or a checkpoint without its run's config) -> HF folder, streamed."""
+    if dtype == "released":
+        raise ValueError(
+            "--dtype released writes the format of a run's base folder: give the run's --config (model.hf_path "
+            "a release-format folder), or write a folder in the release format with to-release"
+        )
     if (flavor is None) == (hf_config is None):
         raise ValueError(
             "to-hf needs --config (the run's TOML: the model, and the tokenizer files to export), or for a "
@@ -269,11 +274,6 @@ def to_hf(
     ]
     if shapes:
         raise ValueError(f"{dcp_dir} does not have this architecture's shapes: " + "; ".join(shapes[:5]))
-    if dtype == "released":
-        raise ValueError(
-            "--dtype released writes the format of a run's base folder: give the run's --config (model.hf_path "
-            "a release-format folder), or write a folder in the release format with to-release"
-        )
     check_merge_dtype(dtype, lora=False)
     hf.export(
         spec, source, args, out, getattr(torch, dtype) if dtype else None, max_shard_size=max_shard_size

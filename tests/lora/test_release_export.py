@@ -334,3 +334,24 @@ def test_to_release_bad_input_is_one_line(tmp_path, capsys):
         rc, _, err = convert(capsys, *argv)
         assert rc == 1 and err.startswith("error: ") and err.count("\n") == 1, err
         assert message in err, err
+
+
+def test_released_needs_a_release_base_and_is_one_line(lora_run, tmp_path, capsys):
+    root, base, config, step = lora_run
+    cases = [
+        (("to-peft", step, "--config", config, "--dtype", "released"), "expected float32 or bfloat16"),
+        (("to-hf", step, "--flavor", "micro", "--dtype", "released"), "give the run's --config"),
+        (("to-hf", step, "--config", config, "--dtype", "float8_e4m3fn"), "or with --dtype released"),
+    ]  # fmt: skip
+    for i, ((cmd, src, *rest), message) in enumerate(cases):
+        out = tmp_path / f"out{i}"
+        rc, _, err = convert(capsys, cmd, src, out, *rest)
+        assert rc == 1 and err.startswith("error: ") and err.count("\n") == 1, (cmd, rest, err)
+        assert message in err, (message, err)
+        assert not out.exists(), (cmd, rest)
+    # a base that is not in the release format
+    from titan_thd.models.hf.released import folder_plan
+
+    plain = export_hf(build(micro(), seed=1, dtype=torch.float32), micro(), tmp_path / "plain")
+    with pytest.raises(ValueError, match="not a release-format folder"):
+        folder_plan(plain)
