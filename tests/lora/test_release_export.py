@@ -177,14 +177,8 @@ def test_a_lora_merge_prints_what_survives_and_transformers_loads_it(lora_run, t
     for dtype in ("float32", "bfloat16"):
         rc, _, err = convert(capsys, "to-hf", step, tmp_path / dtype, "--config", config, "--dtype", dtype)
         assert rc == 0, err
-    printed = {
-        k: (float(a), float(b))
-        for k, a, b in re.findall(
-            r"^  (\S+(?: \(group\))?): ([\d.]+) of the update survives \(norm ratio\), (-?[\d.]+) of it along dW",
-            out,
-            re.M,
-        )
-    }
+    line = r"^  (\S+(?: \(group\))?): ([\d.]+) of the update survives \(norm ratio\), (-?[\d.]+) of it along dW, error ([\d.e+-]+) x"
+    printed = {k: (float(a), float(b), float(c)) for k, a, b, c in re.findall(line, out, re.M)}
     (b, bq, _), (r, rq, _) = _decoded(base), _decoded(tmp_path / "released")
     merged = SafetensorsFolder(tmp_path / "float32")
     sums: dict[str, list[float]] = {}
@@ -195,20 +189,25 @@ def test_a_lora_merge_prints_what_survives_and_transformers_loads_it(lora_run, t
         w, qm = q.read(b, _full(q)).double(), rq[name].read(r, _full(q)).double()
         dw = merged.read(merged.tensors[name]).double() - w
         for key in (target, target.split(".")[0] + " (group)"):
-            s = sums.setdefault(key, [0.0, 0.0, 0.0])
+            s = sums.setdefault(key, [0.0, 0.0, 0.0, 0.0])
             s[0] += float((qm - w).square().sum())
             s[1] += float(dw.square().sum())
             s[2] += float(((qm - w) * dw).sum())
-    expected = {k: ((kept / update) ** 0.5, along / update) for k, (kept, update, along) in sums.items()}
+            s[3] += float((qm - w - dw).square().sum())
+    expected = {
+        k: ((kept / upd) ** 0.5, along / upd, (err / upd) ** 0.5)
+        for k, (kept, upd, along, err) in sums.items()
+    }
     assert printed.keys() == expected.keys() and len(expected) == 13, (
         printed,
         expected,
     )  # 10 targets, 3 groups
     for k, v in expected.items():
         assert abs(printed[k][0] - v[0]) <= 6e-5 and abs(printed[k][1] - v[1]) <= 6e-5, (k, printed[k], v)
+        assert abs(printed[k][2] - v[2]) <= 6e-3 * v[2], (k, printed[k], v)  # 3 significant digits
     print(
-        "survival per target (norm ratio, along dW):",
-        {k: (round(a, 4), round(b, 4)) for k, (a, b) in expected.items()},
+        "survival per target (norm ratio, along dW, error):",
+        {k: tuple(round(x, 4) for x in v) for k, v in expected.items()},
     )
     assert all(v[0] > 0 for v in expected.values())
 

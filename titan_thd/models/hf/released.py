@@ -15,7 +15,8 @@ HF folder of a family with a published release format (`HFAdapter.released`).
 
 For a LoRA run, `Survival` measures per target what the re-encoding keeps of the update:
 `||Q(W + dW) - Q(W)|| / ||dW||` over the target's tensors, W the base as the folder decodes it,
-W + dW the merged float32 weight, Q = decode(encode(.)). Q(W) is W itself when the folder's scales
+W + dW the merged float32 weight, Q = decode(encode(.)); with the part of it along dW, the error
+against the float merge and the update's size (docs/lora.md §6 reads them). Q(W) is W itself when the folder's scales
 are powers of two (encode.py: a decodable value re-encodes to itself); it is computed otherwise.
 """
 
@@ -141,18 +142,20 @@ class Survival:
             else decode(*encode(w, how.fmt), how.fmt, w.shape[-1])
         )
         kept, dw = q_merged.double() - q_w.double(), merged.double() - w.double()
-        sums = self.sums.setdefault(target, [0.0, 0.0, 0.0, 0])
+        sums = self.sums.setdefault(target, [0.0, 0.0, 0.0, 0.0, 0.0, 0])
         sums[0] += float(kept.square().sum())
         sums[1] += float(dw.square().sum())
         sums[2] += float((kept * dw).sum())
-        sums[3] += 1
+        sums[3] += float(w.double().square().sum())
+        sums[4] += float((q_merged.double() - merged.double()).square().sum())
+        sums[5] += 1
 
     def lines(self) -> list[str]:
         """One line per target and per group (`attention.wq_a` -> `attention`)."""
         groups: dict[str, list[float]] = {}
         out = []
         for target, sums in sorted(self.sums.items()):
-            g = groups.setdefault(target.split(".")[0], [0.0, 0.0, 0.0, 0])
+            g = groups.setdefault(target.split(".")[0], [0.0, 0.0, 0.0, 0.0, 0.0, 0])
             for i, v in enumerate(sums):
                 g[i] += v
             out.append(f"  {target}: {_fraction(*sums)}")
@@ -160,14 +163,15 @@ class Survival:
         return out
 
 
-def _fraction(kept: float, update: float, along: float, n: int) -> str:
-    """The norm ratio, and the part along dW (<Q(W + dW) - Q(W), dW> / ||dW||^2: 1 = the update
-    kept, 0 = lost; a ratio above it is rounding noise, not update)."""
+def _fraction(kept: float, update: float, along: float, base: float, error: float, n: int) -> str:
+    """The norm ratio, the part along dW (<Q(W + dW) - Q(W), dW> / ||dW||^2: 1 = the update kept,
+    0 = lost; a ratio above it is rounding noise, not update), the re-encoding's error against the
+    float merge ||Q(W + dW) - (W + dW)|| / ||dW|| and the update's size ||dW|| / ||W||."""
     if update == 0:
         return f"no update (dW = 0), {n} tensors"
     return (
         f"{math.sqrt(kept / update):.4f} of the update survives (norm ratio), {along / update:.4f} of it along dW, "
-        f"{n} tensors"
+        f"error {math.sqrt(error / update):.3g} x ||dW||, ||dW|| / ||W|| = {math.sqrt(update / base):.2e}, {n} tensors"
     )
 
 
