@@ -17,7 +17,11 @@ float32, several files), trained 2 steps with LoRA on every dsv4 target (a check
   the base's, are printed (docs/results.md).
 - `to-release` of an HF folder with 48 x 48 FP8 blocks (partial edge blocks on both sides): the
   loader reads it within e4m3 / e2m1 rounding of the original with the smallest scales, `to-release`
-  of that release gives back the same bytes, and a LoRA run with lora.base_dtype = released trains on it.
+  of that release gives back the same values (the bytes but where a block's amax rounded onto the
+  scale below's limit), and a LoRA run with lora.base_dtype = released trains on it.
+- A full fine-tuning run: every quantised tensor decodes to the encoding of its float32 export's.
+- Bad input is one line: `--dtype released` for to-peft, for a DCP folder without the run's config;
+  a base folder that is not in the release format is refused.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import torch
 from tests.lora.test_lora_export import DSV4, LENGTHS, assert_same_logits, convert, hf_logits, train
 from tests.models.dsv4._release import write_release
 from tests.models.dsv4._util import build, doc_slices, micro, packed
+from titan_thd.lora.resident import Format
 from titan_thd.models import get_model_spec
 from titan_thd.models.dsv4 import export_hf, load_hf
 from titan_thd.models.dsv4.hf_dequant import check_quantization_config, quantized_sources
@@ -354,3 +359,33 @@ def test_released_needs_a_release_base_and_is_one_line(lora_run, tmp_path, capsy
     plain = export_hf(build(micro(), seed=1, dtype=torch.float32), micro(), tmp_path / "plain")
     with pytest.raises(ValueError, match="not a release-format folder"):
         folder_plan(plain)
+
+
+def test_a_full_fine_tuning_run_is_written_in_its_bases_format(lora_run, tmp_path, capsys):
+    """No LoRA: the trained weights (a DCP checkpoint) re-encoded in the base folder's format; each
+    quantised tensor decodes to the encoding of the float32 export's, the rest as the base stores it."""
+    from titan_thd.models.hf.encode import decode, encode
+
+    root, base, _, _ = lora_run
+    config, _ = train(
+        tmp_path / "full", "--model.name", "dsv4", "--model.flavor", "", "--model.hf_path", str(base), steps=1
+    )
+    step = tmp_path / "full" / "checkpoint" / "step-1"
+    for dtype in ("released", "float32"):
+        rc, out, err = convert(capsys, "to-hf", step, tmp_path / dtype, "--config", config, "--dtype", dtype)
+        assert rc == 0, err
+    assert "update survives" not in out
+    (b, bq, _), (r, rq, cfg) = _decoded(base), _decoded(tmp_path / "released")
+    assert "quantization_config" in cfg and rq.keys() == bq.keys()
+    wide = SafetensorsFolder(tmp_path / "float32")
+    moved = 0
+    for name, q in rq.items():
+        w = wide.read(wide.tensors[name])
+        fmt = Format("fp4" if q.packed else "fp8", q.block, 1)
+        want = decode(*encode(w, fmt), fmt, w.shape[-1])
+        assert torch.equal(q.read(r, _full(q)), want), name
+        moved += not torch.equal(want, bq[name].read(b, _full(q)))
+    assert moved > 0  # the step changed what the release format holds
+    for name, s in b.tensors.items():
+        if name in r.tensors and name not in bq and not name.endswith(".scale"):
+            assert r.tensors[name].dtype == s.dtype, name
