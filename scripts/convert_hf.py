@@ -39,10 +39,8 @@ tensors at a time (model.hf_path's, FP8 / FP4 dequantised on read, or drawn from
 folds each adapter in as W + s * B @ A in float32 (expert stacks one expert at a time) and writes
 float32 or bfloat16. Its peak is the same as above plus one group's adapters.
 
-    # a run (LoRA or full) whose base model.hf_path is a release folder -> that folder's own format:
-    # FP8 e4m3 / packed FP4 e2m1 with power-of-two block scales where the base stores them, the rest
-    # as the base stores it, its quantization_config (titan_thd/models/hf/released.py, docs/lora.md §6);
-    # a LoRA run's merge prints per target how much of the update survives the re-encoding
+    # a run whose base (model.hf_path) is a release folder -> that folder's FP8 / FP4 format; a LoRA
+    # merge prints per target how much of its update survives the re-encoding (docs/lora.md §6)
     .venv/bin/python scripts/convert_hf.py to-hf outputs/dsv4_flash_lora OUT_DIR --config dsv4_flash_lora.toml --dtype released
 
     # any HF folder (dsv4) -> DeepSeek's release format, e.g. a small base to try lora.base_dtype = "released"
@@ -98,7 +96,7 @@ from titan_thd.inference.lora_export import (
 )
 from titan_thd.inference.released_export import release_encoder
 from titan_thd.models import MODEL_NAMES, get_model_spec, hf
-from titan_thd.models.hf.released import write_release
+from titan_thd.models.hf.released import parse_block, write_release
 from titan_thd.models.hf.to_dcp import save_dcp
 from titan_thd.models.hf.write import DEFAULT_MAX_SHARD_SIZE, DcpSource, parse_size
 from titan_thd.parallel.fsdp import build_on_meta
@@ -366,13 +364,10 @@ def stack_checkpoint(src: Path, out: Path) -> None:
 
 def to_release(hf_dir: Path, out: Path, block: str, max_shard_size: int) -> None:
     """Any HF folder -> the family's release format (FP8 / packed FP4, models/hf/released.py)."""
-    m = re.fullmatch(r"(\d+)x(\d+)", block)
-    if m is None or int(m[1]) <= 0 or int(m[2]) <= 0:
-        raise ValueError(f"--fp8-block {block!r}: expected ROWSxCOLS, e.g. 128x128 (the release's) or 16x16")
+    rows_cols = parse_block(block)
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"{out} exists and is not empty")
-    spec, args = hf_family(hf_dir)
-    encoder = write_release(spec, args, hf_dir, out, (int(m[1]), int(m[2])), max_shard_size)
+    encoder = write_release(*hf_family(hf_dir), hf_dir, out, rows_cols, max_shard_size)
     size = sum(p.stat().st_size for p in out.glob("*.safetensors"))
     print(f"wrote {out} in the release format (FP8 blocks {block}, FP4 experts): {size / 1e6:.1f} MB")
     for line in encoder.report():
@@ -394,11 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--config", default=None, help="the run's TOML (a path or a name in train_configs/)")
     b.add_argument("--flavor", default=None, help="without --config: the flavor of a DCP folder")
     b.add_argument("--hf-config", type=Path, default=None, help="without --config: an HF config.json")
-    b.add_argument(
-        "--dtype",
-        default=None,
-        help="float32, bfloat16 (default: as stored) or released (the base folder's FP8 / FP4 format)",
-    )
+    b.add_argument("--dtype", default=None, help="float32, bfloat16 (default: as stored) or released")
     b.add_argument(
         "--max-shard-size",
         type=parse_size,

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -258,6 +259,14 @@ class FolderSource:
         }
         self.folder.close()
         return out
+
+
+def parse_block(text: str) -> tuple[int, int]:
+    """(rows, cols) of `--fp8-block ROWSxCOLS`; ValueError naming the value otherwise."""
+    m = re.fullmatch(r"(\d+)x(\d+)", text)
+    if m is None or int(m[1]) <= 0 or int(m[2]) <= 0:
+        raise ValueError(f"--fp8-block {text!r}: expected ROWSxCOLS, e.g. 128x128 (the release's) or 16x16")
+    return int(m[1]), int(m[2])
 
 
 TOKENIZER_FILES = (
