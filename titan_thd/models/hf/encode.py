@@ -9,8 +9,8 @@ Legend:  O rows   I columns   G the scale grid [ceil(O / bm), ceil(I / bn)] (edg
 
 - FP8 e4m3, one scale per `bm x bn` block (the release's 128 x 128): the scale is the smallest power of
   two with `amax / scale <= 448`; each value `w / scale` rounds to the nearest e4m3 value, ties to even,
-  saturated at +-448 (torch's float32 -> float8_e4m3fn cast rounds that way; tests/models/hf/
-  test_encode.py checks it against a per-element search of the 256 codes).
+  saturated at +-448 (torch's float32 -> float8_e4m3fn cast rounds that way; tests/models/
+  test_hf_encode.py checks it against a per-element search of the 256 codes).
 - FP4 e2m1, one scale per `1 x 32` block: the smallest power of two with `amax / scale <= 6`; each value
   rounds to the nearest of 0, 0.5, 1, 1.5, 2, 3, 4, 6 (the even code on a tie), sign bit 3 (set for
   -0.0 too, as IEEE rounding keeps the sign); two codes per byte, the even column in the low nibble.
