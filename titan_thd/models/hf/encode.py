@@ -37,9 +37,6 @@ FP4_MAX = 6.0
 EXP_MIN, EXP_MAX = -127, 127
 """Exponents an e8m0 scale byte holds (byte = e + 127; 255 is NaN)."""
 
-_MIDPOINTS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, float("inf")])
-"""Between consecutive e2m1 magnitudes (E2M1[:8]), then a sentinel: bucketize's index is the code."""
-
 
 def smallest_exponents(amax: torch.Tensor, vmax: float) -> torch.Tensor:
     """Per block: the smallest e in [-127, 127] with `amax <= vmax * 2^e` (int32); amax finite, >= 0."""
@@ -72,7 +69,7 @@ def encode(w_OI: torch.Tensor, fmt: Format) -> tuple[torch.Tensor, torch.Tensor]
             f"{fmt.kind} encoding needs finite values; this {list(w_OI.shape)} tensor has NaN / inf"
         )
     rows, cols = w_OI.shape
-    blocks = _blocks(w_OI.float(), fmt.block)
+    blocks = _blocks(w_OI.float(), fmt.block)  # (a copy: the caller's tensor is never written)
     vmax = FP8_MAX if fmt.kind == "fp8" else FP4_MAX
     exps = smallest_exponents(blocks.abs().amax(dim=(1, 3)), vmax)
     # Scaling by 2^-e is exact (a result below float32's normals is far below half the smallest
@@ -82,11 +79,26 @@ def encode(w_OI: torch.Tensor, fmt: Format) -> tuple[torch.Tensor, torch.Tensor]
     if fmt.kind == "fp8":
         return v.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8).contiguous(), exps
     assert cols % 2 == 0, f"packed FP4 needs an even number of columns, got {cols}"
+    return _pack(_e2m1_codes(v)), exps
+
+
+def _e2m1_codes(v: torch.Tensor) -> torch.Tensor:
+    """e2m1 codes (uint8, 0-15) of float32 values with |v| <= 6: nearest, ties to the even code."""
     a = v.abs().clamp_max(FP4_MAX)
-    code = torch.bucketize(a, _MIDPOINTS)  # a == midpoint -> the lower magnitude
-    tie = (a == _MIDPOINTS[code]) & (code % 2 == 1)  # ...whose code is odd: the even one above
-    code = (code + tie.long()).to(torch.uint8) | (torch.signbit(v).to(torch.uint8) << 3)
-    return (code[:, 0::2] | (code[:, 1::2] << 4)).contiguous(), exps
+    # Below 1 the codes are 0, 0.5, 1 (0, 1, 2): round(2 a), half to even (0.25 -> 0, 0.75 -> 2).
+    small = torch.round(a * 2).to(torch.int32)
+    # From 1 on, e2m1 is float32 with one mantissa bit: round the float's bits to it, half to even,
+    # then the code is 2 + 2 (exponent) + that bit (1 -> 2, 1.5 -> 3, 2 -> 4, ..., 6 -> 7).
+    bits = a.view(torch.int32)
+    bits = (bits + 0x1FFFFF + ((bits >> 22) & 1)) & ~0x3FFFFF
+    big = ((bits >> 23) - 127) * 2 + 2 + ((bits >> 22) & 1)
+    code = torch.where(a < 1, small, big).to(torch.uint8)
+    return code | (torch.signbit(v).to(torch.uint8) << 3)
+
+
+def _pack(code: torch.Tensor) -> torch.Tensor:
+    """Two codes per byte, the even column in the low nibble."""
+    return (code[:, 0::2] | (code[:, 1::2] << 4)).contiguous()
 
 
 def decode(codes: torch.Tensor, exps: torch.Tensor, fmt: Format, cols: int | None = None) -> torch.Tensor:
