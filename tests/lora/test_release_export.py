@@ -389,3 +389,31 @@ def test_a_full_fine_tuning_run_is_written_in_its_bases_format(lora_run, tmp_pat
     for name, s in b.tensors.items():
         if name in r.tensors and name not in bq and not name.endswith(".scale"):
             assert r.tensors[name].dtype == s.dtype, name
+
+
+def test_release_encoder_writes_each_tensor_as_planned():
+    from titan_thd.models.hf.released import ReleaseEncoder, StoredAs
+
+    fp8, fp4 = Format("fp8", (16, 16), 1), Format("fp4", (1, 32), 1)
+    plan = {
+        "a.weight": StoredAs(torch.float8_e4m3fn, fp8, "a.scale", torch.uint8, (32, 48)),
+        "e.weight": StoredAs(torch.int8, fp4, "e.scale", torch.float8_e8m0fnu, (4, 64)),
+        "ids": StoredAs(torch.float32),
+        "norm": StoredAs(torch.bfloat16),
+    }
+    enc = ReleaseEncoder(plan)
+    w = torch.randn(32, 48, dtype=torch.float64)  # a float64 master: encoded from its float32 values
+    out = dict(enc("a", "a.weight", w))
+    assert out["a.weight"].dtype == torch.float8_e4m3fn and out["a.scale"].dtype == torch.uint8
+    assert out["a.scale"].shape == (2, 3)
+    out = dict(enc("e", "e.weight", torch.randn(4, 64)))
+    assert out["e.weight"].shape == (4, 32) and out["e.scale"].shape == (4, 2)
+    assert dict(enc("n", "norm", torch.ones(3)))["norm"].dtype == torch.bfloat16
+    assert torch.equal(dict(enc("i", "ids", torch.arange(5)))["ids"], torch.arange(5.0))
+    with pytest.raises(ValueError, match="ids: its torch.int64 values do not fit the base's torch.float32"):
+        list(enc("i", "ids", torch.tensor([2**24 + 1])))
+    with pytest.raises(ValueError, match=r"a.weight: the model's \[32, 32\] is not the base's \[32, 48\]"):
+        list(enc("a", "a.weight", torch.randn(32, 32)))
+    assert dict(enc("x", "extra", torch.ones(2)))["extra"].dtype == torch.float32  # not in the base
+    report = "\n".join(enc.report())
+    assert "written as trained: 1 tensors the base does not store" in report

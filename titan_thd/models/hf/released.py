@@ -200,6 +200,8 @@ class ReleaseEncoder:
                 raise ValueError(f"{name}: its {tensor.dtype} values do not fit the base's {how.dtype}")
             yield name, cast
             return
+        if tensor.dtype == torch.float64:  # a float64 master: encoded from its float32 export's values
+            tensor = tensor.float()
         try:
             codes, exps = encode(tensor, how.fmt)
         except ValueError as e:
