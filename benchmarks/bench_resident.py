@@ -12,7 +12,7 @@ shared-expert, compressor and indexer matrices as FP8 e4m3 with power-of-two 128
 (`<m>.scale`, float8_e8m0fnu), the routed experts one tensor per expert as packed FP4 e2m1 (int8
 [out, in / 2], low nibble first) with 1 x 32 e8m0 scales, several safetensors files and their index,
 config.json with DeepSeek's `compress_ratios` and `quantization_config`; embedding, head, router,
-norms and mHC stay float32, as released. The quantiser is the export's (models/hf/encode.py,
+norms and mHC stay float32, as released. The quantiser is the export's (models/hf/quant.py `encode`,
 vectorised: tests/models/dsv4/_release.py's per-block loop takes minutes at this size);
 models/dsv4/hf_dequant.py reads it back.
 
@@ -57,8 +57,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from titan_thd.components.hardware import cpu_model_name  # noqa: E402
-from titan_thd.lora.resident import Format  # noqa: E402
-from titan_thd.models.hf.encode import encode, stored  # noqa: E402
+from titan_thd.models.hf.quant import Format, encode, stored  # noqa: E402
 
 RECIPE = ROOT / "train_configs" / "dsv4_flash_lora.toml"
 TARGETS = "attention,experts"
@@ -76,7 +75,7 @@ REUSE = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": "1099511627776"}
 # ============================================================================ the release-format folder
 def quantize_fp8(w: torch.Tensor, bm: int = 128, bn: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 codes [O, I], power-of-two scale grid [ceil(O / bm), ceil(I / bn)] as float8_e8m0fnu):
-    the export's encoder (models/hf/encode.py)."""
+    the export's encoder (models/hf/quant.py `encode`)."""
     codes, exps = encode(w, Format("fp8", (bm, bn), 1))
     return stored(codes, exps, torch.float8_e4m3fn, torch.float8_e8m0fnu)
 

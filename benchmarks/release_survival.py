@@ -6,7 +6,7 @@
 For every FP8 and packed-FP4 weight of a release-format folder (W as the loader decodes it) and each
 relative size r: a random rank-`--rank` update dW = B @ A (Gaussian A and B drawn from `--seed`)
 scaled to ||dW|| = r ||W||, merged in float32 and re-encoded as `to-hf --dtype released` does
-(models/hf/encode.py). Printed per format, summed over its tensors: the norm ratio
+(models/hf/quant.py `encode`). Printed per format, summed over its tensors: the norm ratio
 ||Q(W + dW) - Q(W)|| / ||dW|| and the part along the update <Q(W + dW) - Q(W), dW> / ||dW||^2 (1: kept,
 0: lost), and the re-encoding's error against the float32 merge, ||Q(W + dW) - (W + dW)|| / ||dW||.
 """
@@ -23,10 +23,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from titan_thd.lora.resident import fmt_of  # noqa: E402
 from titan_thd.models.dsv4.hf_dequant import check_quantization_config, quantized_sources  # noqa: E402
-from titan_thd.models.hf.encode import decode, encode  # noqa: E402
 from titan_thd.models.hf.io import SafetensorsFolder  # noqa: E402
+from titan_thd.models.hf.quant import decoded, encode  # noqa: E402
 
 
 def main() -> int:
@@ -41,7 +40,7 @@ def main() -> int:
     sources, _ = quantized_sources(folder.tensors, check_quantization_config(config, str(opts.folder)))
     weights = {}
     for name, q in sources.items():
-        weights[name] = (fmt_of(q), q.read(folder, tuple(slice(0, n) for n in q.shape)))
+        weights[name] = (q.format, q.read(folder, tuple(slice(0, n) for n in q.shape)))
     counts = {k: sum(f.kind == k for f, _ in weights.values()) for k in ("fp8", "fp4")}
     print(f"{opts.folder}: {counts['fp8']} FP8 and {counts['fp4']} FP4 weights, rank-{opts.rank} updates")
     print(
@@ -56,7 +55,7 @@ def main() -> int:
             dw = torch.randn(rows, opts.rank, generator=g) @ torch.randn(opts.rank, cols, generator=g)
             dw *= r * w.norm() / dw.norm()
             merged = w + dw
-            q = decode(*encode(merged, fmt), fmt, cols).double()
+            q = decoded(*encode(merged, fmt), fmt).double()
             kept, d = q - w.double(), (merged.double() - w.double())
             s = sums[fmt.kind]
             s[0] += float(kept.square().sum())

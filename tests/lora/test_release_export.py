@@ -37,11 +37,11 @@ import torch
 from tests.lora.test_lora_export import DSV4, LENGTHS, assert_same_logits, convert, hf_logits, train
 from tests.models.dsv4._release import write_release
 from tests.models.dsv4._util import build, doc_slices, micro, packed
-from titan_thd.lora.resident import Format
 from titan_thd.models import get_model_spec
 from titan_thd.models.dsv4 import export_hf, load_hf
 from titan_thd.models.dsv4.hf_dequant import check_quantization_config, quantized_sources
 from titan_thd.models.hf.io import SafetensorsFolder
+from titan_thd.models.hf.quant import Format
 
 transformers = pytest.importorskip("transformers")
 
@@ -364,7 +364,7 @@ def test_released_needs_a_release_base_and_is_one_line(lora_run, tmp_path, capsy
 def test_a_full_fine_tuning_run_is_written_in_its_bases_format(lora_run, tmp_path, capsys):
     """No LoRA: the trained weights (a DCP checkpoint) re-encoded in the base folder's format; each
     quantised tensor decodes to the encoding of the float32 export's, the rest as the base stores it."""
-    from titan_thd.models.hf.encode import decode, encode
+    from titan_thd.models.hf.quant import decoded, encode
 
     root, base, _, _ = lora_run
     config, _ = train(
@@ -382,7 +382,7 @@ def test_a_full_fine_tuning_run_is_written_in_its_bases_format(lora_run, tmp_pat
     for name, q in rq.items():
         w = wide.read(wide.tensors[name])
         fmt = Format("fp4" if q.packed else "fp8", q.block, 1)
-        want = decode(*encode(w, fmt), fmt, w.shape[-1])
+        want = decoded(*encode(w, fmt), fmt)
         assert torch.equal(q.read(r, _full(q)), want), name
         moved += not torch.equal(want, bq[name].read(b, _full(q)))
     assert moved > 0  # the step changed what the release format holds

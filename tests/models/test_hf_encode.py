@@ -1,4 +1,4 @@
-"""The release-format encoder (models/hf/encode.py) against an independent per-element reference.
+"""The release-format encoder (models/hf/quant.py `encode`) against an independent per-element reference.
 
 The reference works in exact rationals (`fractions.Fraction`): per block the smallest 2^e (e in
 [-127, 127]) with amax / 2^e <= 448 (FP8) or 6 (FP4), found by counting e up; per element the nearest
@@ -19,8 +19,7 @@ from fractions import Fraction
 import pytest
 import torch
 
-from titan_thd.lora.resident import E2M1, Format
-from titan_thd.models.hf.encode import decode, encode, exponents_of, scale_bytes, stored
+from titan_thd.models.hf.quant import E2M1, Format, decoded, encode, exponents_of, scale_bytes, stored
 
 FP8 = Format("fp8", (16, 32), 1)
 FP4 = Format("fp4", (1, 32), 1)
@@ -139,9 +138,9 @@ def test_decode_encode_gives_back_every_decodable_value(fmt):
         pick[over] = torch.randint(0, len(table), (int(over.sum()),), generator=g)
     code = allowed[pick].to(torch.uint8)
     codes = code if fmt.kind == "fp8" else code[:, 0::2] | (code[:, 1::2] << 4)
-    x = decode(codes, exps, fmt, cols)
+    x = decoded(codes, exps, fmt)
     codes2, exps2 = encode(x, fmt)
-    assert torch.equal(decode(codes2, exps2, fmt, cols).view(torch.int32), x.view(torch.int32))  # bitwise
+    assert torch.equal(decoded(codes2, exps2, fmt).view(torch.int32), x.view(torch.int32))  # bitwise
     expected = [
         [_ref_exponent(max(abs(Fraction(float(v))) for v in x[i * bm : (i + 1) * bm, j * bn : (j + 1) * bn].flatten()), vmax)
          for j in range(gc)]

@@ -1,5 +1,5 @@
 """Write a model in a release's own format: FP8 / packed FP4 codes with power-of-two block scales
-(models/hf/encode.py), everything else as the release stores it; streamed through models/hf/
+(models/hf/quant.py `encode`), everything else as the release stores it; streamed through models/hf/
 export.py like any export (one tensor encoded at a time).
 
     plan, qconfig = folder_plan("DeepSeek-V4-Flash")        # how that folder stores each tensor
@@ -15,7 +15,7 @@ HF folder of a family with a published release format (`HFAdapter.released`).
 
 For a LoRA run, `Survival` measures per target what the re-encoding keeps of the update:
 `||Q(W + dW) - Q(W)|| / ||dW||` over the target's tensors, W the base as the folder decodes it,
-W + dW the merged float32 weight, Q = decode(encode(.)); with the part of it along dW, the error
+W + dW the merged float32 weight, Q = decoded(encode(.)); with the part of it along dW, the error
 against the float merge and the update's size (docs/lora.md §6 reads them). Q(W) is W itself when the folder's scales
 are powers of two (encode.py: a decodable value re-encodes to itself); it is computed otherwise.
 """
@@ -31,10 +31,9 @@ from pathlib import Path
 
 import torch
 
-from titan_thd.lora.resident import Format, fmt_of
 from titan_thd.models.dsv4.hf_dequant import check_quantization_config, quantized_sources
-from titan_thd.models.hf.encode import decode, encode, stored
 from titan_thd.models.hf.io import SafetensorsFolder
+from titan_thd.models.hf.quant import Format, decoded, encode, stored
 
 
 @dataclass(frozen=True)
@@ -85,7 +84,7 @@ def folder_plan(path: str | Path) -> tuple[dict[str, StoredAs], dict]:
         if q is None:
             plan[name] = StoredAs(s.dtype, shape=s.shape)
         else:
-            plan[name] = StoredAs(s.dtype, fmt_of(q), q.scale.name, q.scale.dtype, tuple(q.shape))
+            plan[name] = StoredAs(s.dtype, q.format, q.scale.name, q.scale.dtype, tuple(q.shape))
     return plan, config["quantization_config"]
 
 
@@ -140,7 +139,7 @@ class Survival:
         q_w = (
             w
             if how.scale_dtype in (torch.float8_e8m0fnu, torch.uint8)
-            else decode(*encode(w, how.fmt), how.fmt, w.shape[-1])
+            else decoded(*encode(w, how.fmt), how.fmt)
         )
         kept, dw = q_merged.double() - q_w.double(), merged.double() - w.double()
         sums = self.sums.setdefault(target, [0.0, 0.0, 0.0, 0.0, 0.0, 0])
@@ -207,7 +206,7 @@ class ReleaseEncoder:
         except ValueError as e:
             raise ValueError(f"{name}: {e}") from None
         if self.survival is not None:
-            self.survival.add(key, name, tensor, how, decode(codes, exps, how.fmt, tensor.shape[-1]))
+            self.survival.add(key, name, tensor, how, decoded(codes, exps, how.fmt))
         weight, scale = stored(codes, exps, how.dtype, how.scale_dtype)
         yield name, weight
         yield how.scale, scale
