@@ -7,7 +7,7 @@ even code, the sign bit that of the value (so -0.0 and negatives that round to z
 hold exact ties, exact powers of two, all-zero blocks, -0.0, values at the bottom of e4m3's
 subnormals, magnitudes near float32's ends and partial edge blocks on both sides.
 
-Properties: decode(encode(x)) == x bitwise for every x a folder decodes to (random codes with a
+Properties: decoded(encode(x)) == x bitwise for every x a folder decodes to (random codes with a
 random scale at or above the smallest); the codes too where the scale is the smallest.
 """
 

@@ -177,7 +177,7 @@ def scaled(
 # all-zero block gets 2^-127, the smallest such scale. A partial edge block's amax is that of the values
 # it has (zero padding changes no amax), as the loader reads it: one scale covers the whole block.
 #
-# Why the smallest scale: decode(encode(x)) == x bitwise for every x a folder decodes to (any codes with
+# Why the smallest scale: decoded(encode(x)) == x bitwise for every x a folder decodes to (any codes with
 # any scale at least the smallest: doubling an e4m3 value <= 224 or an e2m1 value <= 3 is again one),
 # so a re-encoded release gives back its values, and its codes wherever its scale was the smallest.
 

@@ -7,7 +7,7 @@ export.py like any export (one tensor encoded at a time).
     export(spec, source, args, out, encode=enc, config_extra={"quantization_config": qconfig})
     print(enc.report())
 
-    plan = family_plan(spec, args, names, block=(128, 128))   # to-release: the family's published layout
+    plan = family_plan(adapter.released, names, (128, 128))   # to-release: the family's published layout
 
 `scripts/convert_hf.py to-hf --dtype released` writes a run whose base is a release folder this way
 (the folder's names, dtypes, scale names and blocks; its quantization_config); `to-release` writes any
@@ -16,8 +16,9 @@ HF folder of a family with a published release format (`HFAdapter.released`).
 For a LoRA run, `Survival` measures per target what the re-encoding keeps of the update:
 `||Q(W + dW) - Q(W)|| / ||dW||` over the target's tensors, W the base as the folder decodes it,
 W + dW the merged float32 weight, Q = decoded(encode(.)); with the part of it along dW, the error
-against the float merge and the update's size (docs/lora.md §6 reads them). Q(W) is W itself when the folder's scales
-are powers of two (encode.py: a decodable value re-encodes to itself); it is computed otherwise.
+against the float merge and the update's size (docs/lora.md §6 reads them). Q(W) is W itself when
+the folder's scales are powers of two (quant.py's encoder: a decodable value re-encodes to itself);
+it is computed otherwise.
 """
 
 from __future__ import annotations
