@@ -12,8 +12,9 @@ shared-expert, compressor and indexer matrices as FP8 e4m3 with power-of-two 128
 (`<m>.scale`, float8_e8m0fnu), the routed experts one tensor per expert as packed FP4 e2m1 (int8
 [out, in / 2], low nibble first) with 1 x 32 e8m0 scales, several safetensors files and their index,
 config.json with DeepSeek's `compress_ratios` and `quantization_config`; embedding, head, router,
-norms and mHC stay float32, as released. The quantiser is vectorised here (tests/models/dsv4/
-_release.py's per-block loop takes minutes at this size); models/dsv4/hf_dequant.py reads it back.
+norms and mHC stay float32, as released. The quantiser is the export's (models/hf/quant.py `encode`,
+vectorised: tests/models/dsv4/_release.py's per-block loop takes minutes at this size);
+models/dsv4/hf_dequant.py reads it back.
 
 Each run is the dsv4_flash_lora.toml recipe on that folder (its chat SFT documents, same seed and
 steps), LoRA rank 16 on attention and routed experts, AdamW, float32 master weights, compute in
@@ -56,6 +57,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from titan_thd.components.hardware import cpu_model_name  # noqa: E402
+from titan_thd.models.hf.quant import Format, encode, stored  # noqa: E402
 
 RECIPE = ROOT / "train_configs" / "dsv4_flash_lora.toml"
 TARGETS = "attention,experts"
@@ -72,31 +74,16 @@ REUSE = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": "1099511627776"}
 
 # ============================================================================ the release-format folder
 def quantize_fp8(w: torch.Tensor, bm: int = 128, bn: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e4m3 codes [O, I], power-of-two scale grid [ceil(O / bm), ceil(I / bn)] as float8_e8m0fnu)."""
-    rows, cols = w.shape
-    gr, gc = -(-rows // bm), -(-cols // bn)
-    # Edge blocks are partial: zero padding leaves their amax, and so their scale, unchanged.
-    blocks = torch.nn.functional.pad(w, (0, gc * bn - cols, 0, gr * bm - rows)).view(gr, bm, gc, bn)
-    amax = blocks.abs().amax(dim=(1, 3)).clamp_min(2.0**-100)  # an all-zero block still gets a scale
-    scale = torch.exp2(torch.ceil(torch.log2(amax / 448.0)))  # codes within e4m3's +-448
-    codes = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn).view(gr * bm, gc * bn)
-    return codes[:rows, :cols].contiguous(), scale.to(torch.float8_e8m0fnu)
-
-
-E2M1_MIDPOINTS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
-"""Between the 8 e2m1 magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6: bucketize gives the nearest one's code."""
+    """(e4m3 codes [O, I], power-of-two scale grid [ceil(O / bm), ceil(I / bn)] as float8_e8m0fnu):
+    the export's encoder (models/hf/quant.py `encode`)."""
+    codes, exps = encode(w, Format("fp8", (bm, bn), 1))
+    return stored(codes, exps, torch.float8_e4m3fn, torch.float8_e8m0fnu)
 
 
 def quantize_fp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(packed e2m1 codes int8 [O, I / 2], two per byte low nibble first; e8m0 scales [O, I / 32])."""
-    rows, cols = w.shape
-    blocks = w.view(rows, cols // 32, 32)
-    scale = torch.exp2(torch.ceil(torch.log2(blocks.abs().amax(-1).clamp_min(2.0**-100) / 6.0)))
-    v = blocks / scale[..., None]
-    code = torch.bucketize(v.abs(), E2M1_MIDPOINTS).to(torch.uint8) | ((v < 0).to(torch.uint8) << 3)
-    code = code.view(rows, cols)
-    packed = code[:, 0::2] | (code[:, 1::2] << 4)
-    return packed.view(torch.int8), scale.to(torch.float8_e8m0fnu)
+    codes, exps = encode(w, Format("fp4", (1, 32), 1))
+    return stored(codes, exps, torch.int8, torch.float8_e8m0fnu)
 
 
 def model_args(opts):

@@ -41,8 +41,14 @@ fingerprint of model.hf_path, or the seed), read only the adapter entries, and n
 writes a block of adapters at a time (--dtype float32 by default). `to-hf` reads the base a group of
 tensors at a time (model.hf_path's, FP8 / FP4 dequantised on read, or drawn from training.seed),
 folds each adapter in as W + s * B @ A in float32 (expert stacks one expert at a time) and writes
-float32 or bfloat16: never FP8 / FP4 codes, where the update would round away (refused in one line).
-Its peak is the same as above plus one group's adapters.
+float32 or bfloat16. Its peak is the same as above plus one group's adapters.
+
+    # a run whose base (model.hf_path) is a release folder -> that folder's FP8 / FP4 format; a LoRA
+    # merge prints per target how much of its update survives the re-encoding (docs/lora.md §7)
+    .venv/bin/python scripts/convert_hf.py to-hf outputs/dsv4_flash_lora OUT_DIR --config dsv4_flash_lora.toml --dtype released
+
+    # any HF folder (dsv4) -> DeepSeek's release format, e.g. a small base to try lora.base_dtype = "released"
+    .venv/bin/python scripts/convert_hf.py to-release HF_DIR OUT_DIR [--fp8-block 128x128]
 
     # a trainer checkpoint written before the routed experts were stacked (one tensor per expert)
     # -> the same checkpoint with [E, out, in] stacks (model and optimizer state; resumable)
@@ -107,7 +113,7 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--config", default=None, help="the run's TOML (a path or a name in train_configs/)")
     b.add_argument("--flavor", default=None, help="without --config: the flavor of a DCP folder")
     b.add_argument("--hf-config", type=Path, default=None, help="without --config: an HF config.json")
-    b.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: as stored)")
+    b.add_argument("--dtype", default=None, help="float32, bfloat16 (default: as stored) or released")
     b.add_argument(
         "--max-shard-size",
         type=parse_size,
@@ -124,6 +130,15 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("out", type=Path)
     v.add_argument("--config", required=True, help="the run's TOML (a path or a name in train_configs/)")
     v.add_argument("--dtype", default="float32", help="float32 (default) or bfloat16")
+    r = sub.add_parser("to-release", help="HF folder -> the family's release format (FP8 / packed FP4)")
+    r.add_argument("src", type=Path, help="an HF folder (config.json + *.safetensors)")
+    r.add_argument("out", type=Path)
+    r.add_argument(
+        "--fp8-block",
+        default="128x128",
+        help="FP8 scale block ROWSxCOLS (default the release's 128x128; 16x16 lets a tiny model's TP cuts fall on blocks)",
+    )
+    r.add_argument("--max-shard-size", type=parse_size, default=DEFAULT_MAX_SHARD_SIZE)
     c = sub.add_parser("stack-experts", help="trainer checkpoint, per-expert layout -> stacked experts")
     c.add_argument("src", type=Path)
     c.add_argument("out", type=Path)
@@ -138,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if opts.cmd == "to-dcp":
             line = commands.to_dcp(opts.src, opts.out, opts.flavor)
+        elif opts.cmd == "to-release":
+            line = commands.to_release(opts.src, opts.out, opts.fp8_block, opts.max_shard_size)
         elif opts.cmd == "stack-experts":
             line = stack_checkpoint(opts.src, opts.out)
         elif opts.cmd == "to-peft":

@@ -271,7 +271,7 @@ def test_bad_inputs_are_one_line_and_write_nothing(dsv4, llama, tmp_path, capsys
         (("to-hf", run, "--config", config, "--lora.enable", "false"), "holds LoRA adapters, but the config has lora.enable = false"),
         (("to-peft", run, "--config", config, "--lora.targets", "attention,attention.wo_a"), "lora.targets ['attention.wo_a']"),
         (("to-peft", run, "--config", config, "--model.hf_path", tmp_path / "other"), "trained with other settings than the config's: lora.base"),
-        (("to-hf", run, "--config", config, "--dtype", "float8_e4m3fn"), "never in FP8 / FP4 codes: the update s * B @ A"),
+        (("to-hf", run, "--config", config, "--dtype", "float8_e4m3fn"), "or with --dtype released in the base folder's own FP8 / FP4 format"),
         (("to-peft", run, "--config", config, "--dtype", "float8_e4m3fn"), "expected float32 or bfloat16"),
     ]  # fmt: skip
     # Another base of the same architecture: a copy of the base folder with one tensor changed.

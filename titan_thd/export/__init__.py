@@ -2,10 +2,11 @@
 it does is here or in the family-generic Hugging Face door it calls, titan_thd/models/hf/).
 
     commands.py    each subcommand of convert_hf.py: to-hf (a run's checkpoint, or a DCP folder),
-                   to-peft, to-dcp; returns its summary line
+                   to-peft, to-dcp, to-release; returns its summary line
     checkpoint.py  `open_checkpoint`: a trainer checkpoint checked against the run (kind, lora.*,
                    base, fingerprint), the run's model on the meta device; inference opens it so too
     merge.py       `MergedExport`: the base with a LoRA run's adapters folded in, W + s * B @ A
+    released.py    `release_encoder`: to-hf --dtype released, the base folder's FP8 / FP4 format
     adapters.py    `write_peft`: a LoRA run's adapters in PEFT's format (the layout: lora/peft.py)
     vllm_adapters.py  `to_vllm`: a dsv4 LoRA run's adapters in the layout vLLM serves (lora/vllm.py)
     stack.py       a checkpoint of per-expert tensors -> stacked experts (stack-experts)

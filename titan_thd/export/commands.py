@@ -5,6 +5,7 @@ returns; its docstring is the user's guide):
     to_peft(src, out, dtype, open_run)                   to-peft: a LoRA run's adapters -> PEFT folder
     to_dcp(hf_dir, out, flavor)                          to-dcp: HF folder -> DCP folder
     dcp_to_hf(dcp_dir, out, flavor, hf_config, dtype, max_shard_size)   to-hf of a DCP folder
+    to_release(hf_dir, out, block, max_shard_size)       to-release: HF folder -> the release's format
 
 Each returns the summary line; ValueError (NotExportable too) in one line on bad input.
 """
@@ -28,7 +29,9 @@ from titan_thd.exits import one_line
 from titan_thd.export.adapters import check_exportable, write_peft
 from titan_thd.export.checkpoint import open_checkpoint
 from titan_thd.export.merge import MergedExport, check_merge_dtype
+from titan_thd.export.released import release_encoder
 from titan_thd.models import MODEL_NAMES, get_model_spec, hf
+from titan_thd.models.hf.released import parse_block, write_release
 from titan_thd.models.hf.to_dcp import save_dcp
 from titan_thd.models.hf.write import DcpExport
 from titan_thd.models.spec import ModelSpec
@@ -50,7 +53,7 @@ def run_to_hf(
     the checkpoint's model entries a group at a time (the model is never built). A LoRA run's: the
     base (model.hf_path or the seed) with its adapters merged, W + s * B @ A (export/merge.py), its
     progress lines to `emit` (default: the log)."""
-    check_merge_dtype(dtype, lora=run.lora is not None)  # never FP8 / FP4: the update would round away
+    check_merge_dtype(dtype, lora=run.lora is not None, released=True)  # FP8 / FP4: as the base stores them
     cfg = run.cfg
     opened = open_checkpoint(run, src)
     progress = None
@@ -60,23 +63,28 @@ def run_to_hf(
         tensors = MergedExport(run, opened, progress)  # bad input refused before the first line
     else:
         tensors = DcpExport(opened.step_dir)
+    # --dtype released: the base folder's own FP8 / FP4 format (export/released.py)
+    encoder, extra = release_encoder(run, tensors) if dtype == "released" else (None, None)
     with progress or contextlib.nullcontext():
         hf.export(
             run.spec,
             tensors,
             run.model_args,
             out,
-            _as_dtype(dtype),
+            None if encoder is not None else _as_dtype(dtype),
             tokenizer=run.tokenizer,
             tokenizer_source=None if cfg.data.tokenizer == "byte" else cfg.data.tokenizer,
             context=cfg.training.tokens_per_microbatch,
             max_shard_size=max_shard_size,
+            encode=encoder,
+            config_extra=extra,
         )
     files = ", ".join(sorted(p.name for p in out.iterdir()))
     merged = (
         f" (base + the adapters of {tensors.merged} tensors)" if isinstance(tensors, MergedExport) else ""
     )
-    return f"wrote {out} from checkpoint {opened.step_dir}{merged}: {files}"
+    survival = "".join("\n" + line for line in encoder.report()) if encoder is not None else ""
+    return f"wrote {out} from checkpoint {opened.step_dir}{merged}: {files}{survival}"
 
 
 def to_peft(src: Path, out: Path, dtype: str, open_run: Callable[[], Run], emit: Emit | None = None) -> str:
@@ -151,6 +159,11 @@ def dcp_to_hf(
     max_shard_size: int,
 ) -> str:
     """A DCP folder (to-dcp's, or a checkpoint without its run's config) -> HF folder, streamed."""
+    if dtype == "released":
+        raise ValueError(
+            "--dtype released writes the format of a run's base folder: give the run's --config (model.hf_path "
+            "a release-format folder), or write a folder in the release format with to-release"
+        )
     if (flavor is None) == (hf_config is None):
         raise ValueError(
             "to-hf needs --config (the run's TOML: the model, and the tokenizer files to export), or for a "
@@ -200,3 +213,16 @@ def dcp_to_hf(
     files = sorted(p.name for p in out.iterdir() if p.suffix == ".safetensors")
     legacy_note = " (from per-expert entries)" if legacy else ""
     return f"wrote {out}: config.json + {len(files)} safetensors file(s){legacy_note}"
+
+
+def to_release(hf_dir: Path, out: Path, block: str, max_shard_size: int) -> str:
+    """Any HF folder -> the family's release format (FP8 / packed FP4, models/hf/released.py); the
+    summary line and the encoder's report."""
+    rows_cols = parse_block(block)
+    if out.exists() and any(out.iterdir()):
+        raise ValueError(f"{out} exists and is not empty")
+    spec, folder = hf_family(hf_dir)
+    encoder = write_release(spec, folder, out, rows_cols, max_shard_size)
+    size = sum(p.stat().st_size for p in out.glob("*.safetensors"))
+    lines = [f"wrote {out} in the release format (FP8 blocks {block}, FP4 experts): {size / 1e6:.1f} MB"]
+    return "\n".join(lines + list(encoder.report()))

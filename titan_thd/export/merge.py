@@ -1,7 +1,7 @@
 """A LoRA run's checkpoint as the merged model: the frozen base with every adapter folded in,
-W + s * B @ A, in the precision of the export (never into FP8 / FP4 codes, where an update of 1e-3
-of a weight's scale rounds to nothing), streamed a group of tensors at a time without building or
-gathering the model (scripts/convert_hf.py to-hf; docs/lora.md §4).
+W + s * B @ A, in the precision of the export (float32 / bfloat16; --dtype released re-encodes it
+into the base's FP8 / FP4 codes: export/released.py), streamed a group of tensors at a time without
+building or gathering the model (scripts/convert_hf.py to-hf; docs/lora.md §4).
 
     merged_weight(W, A, B, s)                             # one tensor: [.., out, in] + s [.., out, r] @ [.., r, in]
     hf.export(spec, MergedExport(run, opened), args, "out")   # opened: export/checkpoint.py
@@ -26,21 +26,22 @@ from titan_thd.models.projection import SCALING
 from titan_thd.run import Run
 
 QUANTIZED = ("float8", "fp8", "fp4", "float4", "int8", "int4", "mxfp", "nvfp")
-"""Prefixes of quantised dtype names that a merge is refused in (the update would round away)."""
+"""Prefixes of quantised dtype names refused as a merge's dtype (`released` writes FP8 / FP4 codes)."""
 
 
-def check_merge_dtype(dtype: str | None, lora: bool) -> None:
-    """ValueError unless `dtype` is one an export writes (float32, bfloat16; None: as stored); a LoRA
-    run's refusal of FP8 / FP4 says why."""
-    if dtype is None or dtype in ("float32", "bfloat16"):
+def check_merge_dtype(dtype: str | None, lora: bool, released: bool = False) -> None:
+    """ValueError unless `dtype` is one an export writes (float32, bfloat16; None: as stored; with
+    `released`, the base folder's own FP8 / FP4 format); a LoRA run's refusal of FP8 / FP4 names
+    `released`, the one way a merge is written into codes."""
+    allowed = ("float32", "bfloat16", "released") if released else ("float32", "bfloat16")
+    if dtype is None or dtype in allowed:
         return
     if lora and dtype.lower().startswith(QUANTIZED):
         raise ValueError(
-            f"--dtype {dtype}: the merged model is written in float32 or bfloat16, never in FP8 / FP4 codes: "
-            "the update s * B @ A is far below one code step of a weight's block scale and would round away "
-            "(serve the base as released with the adapters of to-peft instead)"
+            f"--dtype {dtype}: the merged model is written in float32 or bfloat16, or with --dtype released in the "
+            "base folder's own FP8 / FP4 format (it prints how much of the update survives the re-encoding)"
         )
-    raise ValueError(f"--dtype {dtype}: expected float32 or bfloat16")
+    raise ValueError(f"--dtype {dtype}: expected {' or '.join(allowed)}")
 
 
 def merged_weight(W: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scaling: float) -> torch.Tensor:

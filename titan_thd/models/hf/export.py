@@ -10,7 +10,7 @@ The family says only how its tensors and args are spelt (its `ModelSpec.hf`, mod
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,8 @@ def export(
     tokenizer_source: str | Path | None = None,
     context: int = 0,
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+    encode: Callable[[str, str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]] | None = None,
+    config_extra: dict | None = None,
 ) -> Path:
     """Write config.json and safetensors files of at most `max_shard_size` bytes (with
     model.safetensors.index.json when there are several) that transformers loads, streaming `source`
@@ -52,7 +54,11 @@ def export(
     gets the tokenizer files and generation_config.json, and config.json its bos / eos / pad ids, so
     that `generate` stops at the end of a turn (models/hf/tokenizer.py). `context`: the longest
     sequence trained (the tokenizer's model_max_length; 0 = not known). With a process group only
-    rank 0 writes (every rank gathers a model's DTensors). scripts/convert_hf.py to-hf calls it."""
+    rank 0 writes (every rank gathers a model's DTensors). scripts/convert_hf.py to-hf calls it.
+
+    `encode(our key, stored name, tensor)` -> the stored (name, tensor) pairs instead of the tensor
+    (models/hf/released.py: FP8 / FP4 codes and their scales); `config_extra` is merged into
+    config.json (its `quantization_config`)."""
     import torch.distributed as dist
 
     adapter = adapter_of(spec)
@@ -66,7 +72,11 @@ def export(
     def items(key: str, value: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
         cast = dtype if dtype is not None and value.is_floating_point() else value.dtype
         for name, tensor in adapter.to_hf(key, value):
-            yield name, _owned(tensor.to(cast))
+            if encode is None:
+                yield name, _owned(tensor.to(cast))
+                continue
+            for stored_name, t in encode(key, name, tensor.to(cast)):
+                yield stored_name, _owned(t)
 
     write_weights(source, out, items, max_shard_size, write)
     if not write:
@@ -76,6 +86,6 @@ def export(
         write_tokenizer(tokenizer, out, tokenizer_source, context)
         token_ids = special_token_ids(tokenizer)
     params_dtype = dtype or next(iter(source.entries().values()))[1]
-    config = adapter.config_from_args(args, params_dtype, token_ids, context)
+    config = adapter.config_from_args(args, params_dtype, token_ids, context) | (config_extra or {})
     (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     return out
