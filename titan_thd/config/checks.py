@@ -37,6 +37,12 @@ def validate(cfg: Config) -> None:
     positive("training.tokens_per_microbatch", t.tokens_per_microbatch)
     positive("training.max_norm", t.max_norm, allow_zero=True)
     positive("training.planner_cost_attention", t.planner_cost_attention, allow_zero=True)
+    if cfg.loss.chunked and not 1 <= cfg.loss.chunk_tokens <= t.tokens_per_microbatch:
+        raise ValueError(
+            f"loss.chunk_tokens: got {cfg.loss.chunk_tokens}, expected 1..{t.tokens_per_microbatch} "
+            "(training.tokens_per_microbatch: a chunk of rows of one microbatch); e.g. 1024, or "
+            "loss.chunked = false for the full logits"
+        )
     validate_precision(t.dtype, t.mixed_precision_param, t.mixed_precision_reduce)
     positive("optimizer.lr", cfg.optimizer.lr)
     positive("optimizer.weight_decay", cfg.optimizer.weight_decay, allow_zero=True)

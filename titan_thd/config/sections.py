@@ -160,6 +160,20 @@ class Training:
 
 
 @dataclass
+class Loss:
+    chunked: bool = False
+    """Compute the token cross-entropy (and dsv4's MTP cross-entropy) chunk by chunk from the final
+    hidden states and the LM head's weight, never the [T, V] logits (components/chunked_loss.py): each
+    chunk's logits are made in the forward for their log-sum-exp and again in the backward for their
+    gradient (one more LM-head matmul per step), so the loss holds [chunk_tokens, V] instead of [T, V]
+    float32 twice. Equal to the full logits' loss and gradients up to rounding, on every layout (the
+    vocabulary-parallel head of tensor parallelism included); validation uses it too, generation and
+    evaluation keep their logits."""
+    chunk_tokens: int = 1024
+    """loss.chunked: rows per chunk, 1..training.tokens_per_microbatch (only trained rows are chunked)."""
+
+
+@dataclass
 class Optimizer:
     name: Literal["adamw", "muon"] = "adamw"
     """`adamw` for every parameter, or `muon` (Muon for matrices, AdamW for the rest)."""
@@ -371,6 +385,7 @@ class Config:
     model: Model = field(default_factory=Model)
     data: Data = field(default_factory=Data)
     training: Training = field(default_factory=Training)
+    loss: Loss = field(default_factory=Loss)
     optimizer: Optimizer = field(default_factory=Optimizer)
     lora: LoRA = field(default_factory=LoRA)
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
