@@ -32,7 +32,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+from titan_thd.config import Loss
 from titan_thd.data.packed_batch import IGNORE_INDEX
+
+
+def loss_chunk(loss: Loss) -> int:
+    """The [loss] section's rows per chunk (0: the loss from the full [T, V] logits)."""
+    return loss.chunk_tokens if loss.chunked else 0
 
 
 class HeadInput(NamedTuple):

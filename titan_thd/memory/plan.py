@@ -32,6 +32,7 @@ from collections.abc import Collection
 import torch
 from torch import nn
 
+from titan_thd.components.chunked_loss import loss_chunk
 from titan_thd.components.optimizer import default_matrix_params
 from titan_thd.components.precision import Precision
 from titan_thd.lora.resident import Format
@@ -282,7 +283,9 @@ def plan_memory(run: Run, measure: bool = True) -> MemoryPlan:
     loads_checkpoint = bool(run.cfg.model.hf_path) and not run.fake
     tokens, ac = run.tokens_per_rank, run.cfg.activation_checkpoint
     acts = (
-        activations.activation_memory(spec, model_args, tokens, precision.compute, ac, run.fake, run.lora)
+        activations.activation_memory(
+            spec, model_args, tokens, precision.compute, ac, run.fake, run.lora, loss_chunk(run.cfg.loss)
+        )
         if measure
         else None
     )

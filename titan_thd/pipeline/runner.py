@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from titan_thd.components.chunked_loss import loss_chunk
 from titan_thd.components.loss import cross_entropy_sum, loss_context
 from titan_thd.components.progress import Progress
 from titan_thd.data.packed_batch import PackedBatch
@@ -142,10 +143,9 @@ def build(
         model.to_empty(device=device)
         init(model)
     model = model.train()
-    loss = run.cfg.loss
-    loss_chunk = loss.chunk_tokens if loss.chunked else 0
+    chunk = loss_chunk(run.cfg.loss)
     if stages is None:
-        return ModelParts(model, LocalRunner(model, dims.tp_enabled, device, loss_chunk), num_params)
+        return ModelParts(model, LocalRunner(model, dims.tp_enabled, device, chunk), num_params)
     on_end = pp_rank in (0, pp - 1)
     tied_group = tied_groups(dims) if tied else None
     runner = PipelineSchedule(
@@ -161,6 +161,6 @@ def build(
         tied=[q for n in tied for q in getattr(model, n).parameters()] if on_end else [],
         tied_group=tied_group if on_end else None,
         tensor_parallel=dims.tp_enabled,
-        loss_chunk=loss_chunk,
+        loss_chunk=chunk,
     )
     return ModelParts(model, runner, num_params)
