@@ -1,4 +1,5 @@
-"""Long documents through the Trainer: the chunked loss equals the full logits' loss.
+"""Long documents through the Trainer: the chunked loss equals the full logits' loss, and offloaded
+block inputs give the same step bitwise.
 
 `loss.chunked` against today's loss (F.cross_entropy on the [T, V] logits), float64, the recipes of
 tests/test_train_compose.py (the 4-layer tiny llama with clipping, the dsv4 micro flavor with MTP,
@@ -13,6 +14,11 @@ gradient entry by its own magnitude, so a near-zero entry's 1e-16 is amplified; 
 3.6e-14 absolute against weights up to ~0.05). The chunk, 37 rows, ends inside
 documents and leaves a last chunk of another size. The layouts only reorder sums (their own bound,
 tests/test_train_compose.py), and so does the chunking: ~1e-16 per operation in float64.
+
+`activation_checkpoint.offload` against the same run with full recomputation kept on the device:
+every metric and every trained weight bitwise equal (a copy to host memory and back is exact), on
+one process (dsv4 with MTP, llama LoRA) and on TP 2 (llama: DTensor block inputs), CP 2, FSDP 2,
+PP 2 (dsv4: every stage, the MTP block on the last) and EP 2, full fine-tuning and LoRA.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from torch.distributed.tensor import DTensor
 from tests import _tiny_llama
 from tests.test_train_compose import CP2, EP2, PP2, TP2, _env, _spawn, config
 from tests.test_train_layouts import records
+from titan_thd.parallel.offload import observe_offload
 from titan_thd.parallel.shards import canonical_name
 from titan_thd.startup import resolve_run
 from titan_thd.train import Trainer
@@ -40,6 +47,8 @@ LORA = {
 }
 LORA_COMMON = ["--lora.rank", "4", "--lora.alpha", "8"]
 DP2 = ["--parallelism.data_parallel_shard_degree", "2"]
+FULL = ["--activation_checkpoint.mode", "full"]
+OFFLOAD = [*FULL, "--activation_checkpoint.offload", "true"]
 
 # name -> (model, lora, extra args) of the 2-process chunked runs, each compared with the
 # one-process reference of its (model, lora)
@@ -54,16 +63,53 @@ LAYOUTS = {
     "dsv4-tp2-lora": ("dsv4", True, TP2),
 }
 
+# name -> (model, lora, layout args) of the runs made twice, with full recomputation on the device and
+# offloaded (`<name>-offload`); 1: one process, 2: the 2-process spawn
+OFFLOAD_LAYOUTS = {
+    1: {"dsv4-one": ("dsv4", False, []), "llama-one-lora": ("llama", True, [])},
+    2: {
+        "llama-tp2": ("llama", False, TP2),
+        "llama-cp2-lora": ("llama", True, CP2),
+        "llama-fsdp2-lora": ("llama", True, DP2),
+        "dsv4-pp2": ("dsv4", False, PP2),
+        "dsv4-ep2-lora": ("dsv4", True, EP2),
+    },
+}
+
+
+def _offload_pairs(world: int) -> dict:
+    """The runs of OFFLOAD_LAYOUTS[world], each without and with offload (names `ac-...`)."""
+    runs = {}
+    for name, (model, lora, extra) in OFFLOAD_LAYOUTS[world].items():
+        runs[f"ac-{name}"] = (model, lora, [*extra, *FULL])
+        runs[f"ac-{name}-offload"] = (model, lora, [*extra, *OFFLOAD])
+    return runs
+
+
+def _bitwise(base: Path, name: str, got: dict, want: dict) -> None:
+    """`name`-offload equals `name`: metrics.jsonl's values and the trained weights, bitwise."""
+    keep = ("loss", "grad_norm", "aux/mtp", "aux/indexer", "tokens_trained")
+    a = [{k: r[k] for k in keep if k in r} for r in records(base / name)]
+    b = [{k: r[k] for k in keep if k in r} for r in records(base / f"{name}-offload")]
+    assert len(a) == STEPS and a == b, (name, a, b)
+    assert got.keys() == want.keys() and got, name
+    for fqn, w in want.items():
+        assert torch.equal(got[fqn], w), (name, fqn)
+
 
 def train(dump: Path, model: str, lora: bool, *extra: str) -> dict[str, torch.Tensor]:
     """One run; its trained parameters as full tensors (every rank of a mesh takes part in the
     all-gather, in the same order)."""
     own = [*LORA[model], *LORA_COMMON] if lora else []
     trainer = Trainer(resolve_run(config(dump, model, STEPS, *own, "--checkpoint.enable", "false", *extra)))
+    offloaded: list[torch.Tensor] = []
     try:
-        trainer.train()
+        with observe_offload(offloaded.append):
+            trainer.train()
     finally:
         trainer.close()
+    # offload moved every wrapped block's inputs of every step; without it nothing moved
+    assert bool(offloaded) == trainer.run.cfg.activation_checkpoint.offload, dump.name
     out = {}
     for name, p in trainer.model.named_parameters():
         if p.requires_grad:
@@ -125,18 +171,42 @@ def test_chunked_loss_equals_full_logits_on_one_process(one):
             _compare(base, f"{ref}-chunked", ref, weights[f"{ref}-chunked"], weights[ref], model)
 
 
+def _merge(ranks: list[dict], name: str) -> dict[str, torch.Tensor]:
+    """One run's weights over its ranks (pipeline stages hold different layers; a stage's ranks the
+    same full tensors)."""
+    merged: dict[str, torch.Tensor] = {}
+    for r in ranks:
+        for fqn, t in r[name].items():
+            assert fqn not in merged or torch.equal(merged[fqn], t), (name, fqn)
+            merged[fqn] = t
+    return merged
+
+
 @pytest.mark.slow
-def test_chunked_loss_equals_full_logits_on_every_layout(one):
+def test_chunked_loss_and_offload_on_every_layout(one):
+    """One 2-process launch: the chunked runs against the one-process references, and the offload
+    pairs against each other."""
     base, weights = one
-    ranks = _spawn(_runs, 2, base, LAYOUTS)
+    runs = LAYOUTS | _offload_pairs(2)
+    ranks = _spawn(_runs, 2, base, runs)
     for name, (model, lora, _) in LAYOUTS.items():
-        merged: dict[str, torch.Tensor] = {}
-        for r in ranks:  # pipeline stages hold different layers; a stage's ranks the same tensors
-            for fqn, t in r[name].items():
-                assert fqn not in merged or torch.equal(merged[fqn], t), (name, fqn)
-                merged[fqn] = t
         ref = _ref(model, lora)
-        _compare(base, name, ref, merged, weights[ref], model)
+        _compare(base, name, ref, _merge(ranks, name), weights[ref], model)
+    for name in OFFLOAD_LAYOUTS[2]:
+        _bitwise(base, f"ac-{name}", _merge(ranks, f"ac-{name}-offload"), _merge(ranks, f"ac-{name}"))
+
+
+@pytest.mark.slow
+def test_offload_is_bitwise_on_one_process(tmp_path):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    _tiny_llama.register()
+    try:
+        got = {n: train(tmp_path / n, m, lora, *extra) for n, (m, lora, extra) in _offload_pairs(1).items()}
+    finally:
+        torch.set_num_threads(threads)
+    for name in OFFLOAD_LAYOUTS[1]:
+        _bitwise(tmp_path, f"ac-{name}", got[f"ac-{name}-offload"], got[f"ac-{name}"])
 
 
 @pytest.mark.parametrize("chunk", ["0", "-3", "513"])
@@ -147,3 +217,46 @@ def test_a_chunk_outside_the_microbatch_is_one_line(tmp_path, chunk):
         ValueError, match=rf"^loss.chunk_tokens: got {chunk}, expected 1..512 .*chunked = false"
     ):
         config(tmp_path, "llama", 1, "--loss.chunked", "true", "--loss.chunk_tokens", chunk)
+
+
+def test_offload_without_full_recomputation_is_one_line(tmp_path):
+    for mode in ("none", "selective"):
+        extra = ["--activation_checkpoint.regions", "mlp"] if mode == "selective" else []
+        with pytest.raises(ValueError, match=rf"^activation_checkpoint.offload = true with mode = '{mode}'"):
+            config(tmp_path, "llama", 1, "--activation_checkpoint.mode", mode, *extra, *OFFLOAD[2:])
+
+
+def _plan(*extra: str):
+    from titan_thd.config import load_config
+    from titan_thd.memory.plan import plan_memory
+
+    micro = ["--model.name", "dsv4", "--model.flavor", "micro", "--training.tokens_per_microbatch", "512"]
+    return plan_memory(resolve_run(load_config([*micro, *extra]), 1))
+
+
+def test_the_plan_counts_the_chunk_and_the_offloaded_inputs():
+    """The memory plan measures the run as it computes: chunked, no [T, V] float32 log-softmax is
+    saved (the "after" bytes shrink by at least that); offloaded, the blocks' inputs leave the device
+    figures for a host line per rank and per node, and a node that cannot hold them is refused with
+    the numbers (memory.host_gib)."""
+    from titan_thd.memory.host import offload_refusal
+
+    full, chunked = _plan(*FULL), _plan(*FULL, *CHUNK)
+    V = full.acts.loss_grad / (2 * 512 * 4)  # [T, V] float32 twice
+    assert full.acts.kept.after - chunked.acts.kept.after >= 512 * V * 4
+    assert chunked.acts.loss_grad == 37 * V * 4  # one chunk of 37 rows, float32 compute
+    assert full.offload_line() == "" and full.ranks[0].offloaded_bytes == 0
+
+    off = _plan(*OFFLOAD, "--memory.host_gib", "1", "--memory.ranks_per_node", "4")
+    on, r = off.ranks[0], full.ranks[0]
+    assert on.offloaded_bytes > 0 and on.saved_bytes < r.saved_bytes
+    # what left the device is in host memory (more: an input another op saves too stays as well)
+    assert r.saved_bytes - on.saved_bytes <= on.offloaded_bytes
+    line = off.offload_line()
+    assert (
+        "per rank <= 1 x" in line and "per node of 4 ranks" in line and "1.00 GiB (memory.host_gib)" in line
+    )
+    assert offload_refusal(off) == ""
+    tiny = _plan(*OFFLOAD, "--memory.host_gib", "0.0001", "--memory.ranks_per_node", "4")
+    assert offload_refusal(tiny).startswith("memory: activation_checkpoint.offload keeps ")
+    assert "more than its 0.1 MiB (memory.host_gib)" in offload_refusal(tiny)

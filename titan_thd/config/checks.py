@@ -43,6 +43,15 @@ def validate(cfg: Config) -> None:
             "(training.tokens_per_microbatch: a chunk of rows of one microbatch); e.g. 1024, or "
             "loss.chunked = false for the full logits"
         )
+    ac = cfg.activation_checkpoint
+    if ac.offload and ac.mode != "full":
+        raise ValueError(
+            f"activation_checkpoint.offload = true with mode = {ac.mode!r}: only full recomputation keeps "
+            'nothing but each block\'s inputs, which offload moves to host memory; set mode = "full" or '
+            "offload = false"
+        )
+    positive("memory.host_gib", cfg.memory.host_gib, allow_zero=True)
+    positive("memory.ranks_per_node", cfg.memory.ranks_per_node, allow_zero=True)
     validate_precision(t.dtype, t.mixed_precision_param, t.mixed_precision_reduce)
     positive("optimizer.lr", cfg.optimizer.lr)
     positive("optimizer.weight_decay", cfg.optimizer.weight_decay, allow_zero=True)

@@ -293,6 +293,22 @@ class ActivationCheckpoint:
     layers: int = 0
     """Recompute only the first N blocks of each pipeline stage (Megatron's `block` method), the MTP
     block counted last; 0 = every block."""
+    offload: bool = False
+    """mode = full: keep each recomputed block's inputs (what full recomputation saves) in host memory
+    (pinned on CUDA) from its forward to its backward, and bring them back one block ahead of the
+    backward (a side stream on CUDA; copies on a CPU) (parallel/offload.py). Bitwise the same step; the
+    memory plan counts those bytes as host memory per rank and per node."""
+
+
+@dataclass
+class Memory:
+    host_gib: float = 0.0
+    """Host memory of one node in GiB, for the memory plan's host line and refusal
+    (activation_checkpoint.offload keeps the recomputed blocks' inputs there): 0 = this machine's
+    available memory (MemAvailable); set it for a dry run of another machine, e.g. 2000 for a DGX."""
+    ranks_per_node: int = 0
+    """Ranks that share one node's host memory: 0 = LOCAL_WORLD_SIZE (torchrun's), in a dry run
+    min(world size, 8)."""
 
 
 @dataclass
@@ -391,6 +407,7 @@ class Config:
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     parallelism: Parallelism = field(default_factory=Parallelism)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    memory: Memory = field(default_factory=Memory)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     metrics: Metrics = field(default_factory=Metrics)
     validation: Validation = field(default_factory=Validation)

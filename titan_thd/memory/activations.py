@@ -43,6 +43,7 @@ from titan_thd.lora.targets import LoRAPlan, attach, init_adapters
 from titan_thd.memory import cache
 from titan_thd.memory.state import size
 from titan_thd.models.spec import ModelSpec, count_params
+from titan_thd.parallel.offload import observe_offload
 from titan_thd.parallel.recompute import observe_decisions
 
 logger = logging.getLogger("titan_thd")
@@ -61,6 +62,8 @@ class SavedBytes:
     """Saved before the first layer: the first stage's."""
     after: float
     """Saved after the last layer: the last stage's."""
+    host: dict[str, float] = dataclasses.field(default_factory=dict)
+    """activation_checkpoint.offload: layer key (or "after": dsv4's MTP) -> its inputs in host memory."""
 
     def of(self, layer_keys: list[str], first: bool, last: bool) -> float:
         """One stage's (or pipeline chunk's) bytes per microbatch."""
@@ -123,12 +126,22 @@ def measure(
             if isinstance(t, torch.Tensor):
                 pack(t)
 
+    host: dict[str, float] = {}
+
+    def offloaded(t: torch.Tensor) -> None:  # a block's input copied to host memory (offload)
+        where = state["layer"] or "after"
+        host[where] = host.get(where, 0) + t.untyped_storage().nbytes()
+
     hooks = []
     for key, layer in model.layers.items():
         hooks.append(layer.register_forward_pre_hook(lambda m, a, key=key: state.update(layer=key)))
         hooks.append(layer.register_forward_hook(lambda m, a, o: state.update(layer=None, passed=True)))
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), observe_decisions(decision):
+        with (
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+            observe_decisions(decision),
+            observe_offload(offloaded),
+        ):
             out = model(batch.tokens, meta, **({"loss_chunk": loss_chunk} if loss_chunk else {}))
             loss = cross_entropy_sum(out.logits, batch.labels, batch.loss_mask)
             loss = loss + sum(out.aux_losses.values())
@@ -137,7 +150,7 @@ def measure(
             h.remove()
     del loss, out  # no backward: the graph and what it saved go here
     layers = {key: counts.get(key, 0.0) for key in model.layers}
-    return SavedBytes(layers, counts.get("before", 0.0), counts.get("after", 0.0))
+    return SavedBytes(layers, counts.get("before", 0.0), counts.get("after", 0.0), host)
 
 
 def estimate(
@@ -169,7 +182,11 @@ def estimate(
     if progress is not None:
         progress.advance(tokens)
     full = extrapolate(a, b, f)
-    return SavedBytes({str(i): full.layers[str(k)] for i, k in enumerate(kind_of)}, full.before, full.after)
+    host = {str(i): full.host[str(k)] for i, k in enumerate(kind_of) if str(k) in full.host}
+    host |= {"after": full.host["after"]} if "after" in full.host else {}
+    return SavedBytes(
+        {str(i): full.layers[str(k)] for i, k in enumerate(kind_of)}, full.before, full.after, host
+    )
 
 
 def narrow_factor(spec: ModelSpec, args: Any, narrow_ok: bool = True) -> int | None:
@@ -205,6 +222,7 @@ def extrapolate(a: SavedBytes, b: SavedBytes, f: int) -> SavedBytes:
         {k: line(a.layers[k], b.layers[k]) for k in a.layers},
         line(a.before, b.before),
         line(a.after, b.after),
+        {k: line(a.host.get(k, 0.0), b.host.get(k, 0.0)) for k in {*a.host, *b.host}},
     )
 
 
@@ -256,19 +274,25 @@ class ActivationMemory:
         saved = sum(self.kept.layers[k] if k in wrapped else plain.layers[k] for k in layer_keys)
         saved += first * self.kept.before + last * (self.kept.after if tail else plain.after)
         peaks = [self.recompute[k] for k in wrapped] + [self.recompute["after"]] * tail
-        return saved, max([*peaks, last * self.loss_grad], default=0.0)
+        ahead = max(self.kept.host.values(), default=0.0)  # offload: the next block's inputs fetched
+        return saved, max([p + ahead for p in peaks] + [last * self.loss_grad], default=0.0)
+
+    def host(self, layer_keys: list[str], last: bool) -> float:
+        """activation_checkpoint.offload: host bytes per microbatch of one stage (its recomputed
+        blocks' inputs, `stage`'s `wrapped` and tail); 0 without offload."""
+        n = self.layers or len(layer_keys) + 1
+        wrapped, tail = layer_keys[:n], last and len(layer_keys) < n
+        return sum(self.kept.host.get(k, 0.0) for k in wrapped) + tail * self.kept.host.get("after", 0.0)
 
 
 def loss_gradient_bytes(
     args: Any, tokens: int, dtype: torch.dtype, loss_chunk: int = 0, head_trained: bool = True
 ) -> float:
     """ActivationMemory.loss_grad: cross-entropy's backward makes the gradient of the log-softmax and
-    from it the gradient of the logits ([T, vocab] each, float32 at least: components/loss.py
-    upcasts), both alive at once (measured: memory/live.py). Under loss.chunked
-    (components/chunked_loss.py) one chunk of min(loss_chunk, T) rows at a time: its logits in the
-    compute dtype, their float32 copy made in place into the gradient, and that gradient cast back to
-    the compute dtype; with a trained head below float32, its weight gradient's float32 accumulator
-    [vocab, dim] too."""
+    from it the gradient of the logits ([T, vocab] each, float32 at least: loss.py upcasts), both alive
+    at once (measured: memory/live.py). loss.chunked (chunked_loss.py): one chunk of min(loss_chunk, T)
+    rows: its logits in the compute dtype, their float32 copy turned in place into the gradient, cast
+    back; a trained head below float32 adds its weight gradient's float32 accumulator [vocab, dim]."""
     acc = torch.promote_types(dtype, torch.float32)
     itemsize = torch.empty((), dtype=acc).element_size()
     if not loss_chunk:
