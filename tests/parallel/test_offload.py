@@ -4,7 +4,8 @@ Against the same chain recomputed without offload (the reference): the loss and 
 bitwise equal; each block's inputs went to host memory (observed, one copy per block input); the
 backward fetches a block's inputs when its recomputation unpacks them and the block before it one
 ahead, in reverse order; a non-contiguous input stays where it is; validation (no autograd) offloads
-nothing. The trainer's layouts: tests/test_train_long.py.
+nothing; a DTensor input moves its local shard and comes back a DTensor (no model of today passes one:
+llama's sequence-parallel rows reach its blocks as plain tensors). The trainer's layouts: tests/test_train_long.py.
 """
 
 from __future__ import annotations
@@ -107,3 +108,37 @@ def test_a_view_stays_and_validation_offloads_nothing():
         _step(blocks, x, torch.ones(T, 1, dtype=torch.float64))
     # block 0's x is a view (kept); its scale and the later blocks' inputs went to host memory
     assert [tuple(h.shape) for h in host] == [(T, 1), (T, D), (T, 1), (T, D), (T, 1)]
+
+
+class _Elementwise(nn.Module):
+    def forward(self, x):
+        return torch.tanh(x) * x + x
+
+
+def _dtensor_body(rank: int, world_size: int):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
+    x = torch.randn(T * world_size, D, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    out = []
+    for offloaded in (False, True):
+        blocks = [_Elementwise() for _ in range(3)]
+        checkpoint_blocks(blocks, offload=offloaded)
+        local = x.chunk(world_size)[rank].clone().requires_grad_()
+        h = DTensor.from_local(local, mesh, [Shard(0)])  # sequence-parallel rows, as a DTensor
+        host: list[torch.Tensor] = []
+        with offload.observe_offload(host.append):
+            for b in blocks:
+                h = b(h)
+            assert isinstance(h, DTensor)
+            (h.to_local() ** 2).sum().backward()
+        out.append((local.grad, len(host)))
+    (want, _), (got, moved) = out
+    return moved == 3 and torch.equal(got, want)
+
+
+def test_a_dtensor_input_moves_its_local_shard():
+    from tests._dist import spawn
+
+    assert spawn(_dtensor_body, 1) == [True]
