@@ -108,8 +108,8 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         want_x, want_w = ctx.needs_input_grad[:2]
         acc = lse_R.dtype
         dx_TD = torch.zeros_like(x_TD) if want_x else None
-        dw_VD = torch.zeros(w_VD.shape, dtype=torch.promote_types(w_VD.dtype, acc), device=w_VD.device)
-        dw_VD = dw_VD if want_w else None
+        wide = torch.promote_types(w_VD.dtype, acc)  # dW summed over chunks in float32 at least
+        dw_VD = torch.zeros(w_VD.shape, dtype=wide, device=w_VD.device) if want_w else None  # LoRA: frozen
         for r0 in range(0, rows_R.shape[0], ctx.chunk):
             rows_C = rows_R[r0 : r0 + ctx.chunk]
             # softmax - one-hot, times the incoming gradient: the chunk's logit gradient.
