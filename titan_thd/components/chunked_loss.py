@@ -119,7 +119,9 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             g_CV = g_CV.mul_(grad).to(x_TD.dtype)  # the upcast's backward casts it back
             if dx_TD is not None:
                 dx_TD.index_copy_(0, rows_C, g_CV @ w_VD)
-            if dw_VD is not None:
+            if dw_VD is not None and dw_VD.dtype == g_CV.dtype:  # in place: no [V, D] temporary
+                dw_VD.addmm_(g_CV.t(), x_TD.index_select(0, rows_C))
+            elif dw_VD is not None:
                 dw_VD += g_CV.t() @ x_TD.index_select(0, rows_C)
         dw_VD = None if dw_VD is None else dw_VD.to(w_VD.dtype)
         return dx_TD, dw_VD, None, None, None, None
