@@ -52,8 +52,9 @@ from titan_thd.data.stores import build_stores
 from titan_thd.inference.evaluation import TrainingEvaluator
 from titan_thd.lora.targets import trained_keys
 from titan_thd.memory.dry_run import fake_step_fits, materialize, plan_with_activations
+from titan_thd.memory.host import refuse_beyond_host
 from titan_thd.memory.live import available_host_bytes, log_peak_rss
-from titan_thd.memory.plan import MemoryPlan, plan_memory, refuse_beyond_host
+from titan_thd.memory.plan import MemoryPlan, plan_memory
 from titan_thd.models.compile import CompileClock
 from titan_thd.models.hf.base import init_base
 from titan_thd.models.hf.tokenizer import write_tokenizer
@@ -323,10 +324,10 @@ class Trainer:
             log_peak_rss("peak memory (max RSS) per rank", self.dist.is_main)
 
     def _refuse_beyond_host_memory(self) -> None:
-        """On CPU the ranks of a host share its memory: a run whose plan cannot fit is refused before
-        its model is allocated (memory/plan.py), not killed by the kernel. Rank 0 decides for all."""
-        if not self.run.fake and self.dist.device.type == "cpu":
-            available = available_host_bytes() if self.dist.is_main else 0
+        """Refuse what this host (CPU ranks) or a node (offload) cannot hold, before it is allocated."""
+        cpu, offload = self.dist.device.type == "cpu", self.run.cfg.activation_checkpoint.offload
+        if not self.run.fake and (cpu or offload):
+            available = available_host_bytes() if self.dist.is_main and cpu else None
             refuse_beyond_host(self.memory, available, self.run, self.dist.is_main)
 
     def close(self) -> None:

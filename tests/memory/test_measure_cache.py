@@ -36,7 +36,7 @@ def test_the_forwards_measured_are_the_planned_ones(monkeypatch, micro, mode, to
     spec, args = micro
     seen: list[int] = []
 
-    def measure(spec, args, tokens, dtype, prepare=None):
+    def measure(spec, args, tokens, dtype, prepare=None, loss_chunk=0):
         seen.append(tokens)
         return activations.SavedBytes(dict.fromkeys(map(str, range(args.n_layers)), 1.0), 1.0, 1.0)
 

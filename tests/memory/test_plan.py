@@ -13,7 +13,8 @@ from torch import nn
 from titan_thd.components.precision import Precision
 from titan_thd.config import ActivationCheckpoint, load_config
 from titan_thd.memory import activations
-from titan_thd.memory.plan import host_refusal, plan_memory
+from titan_thd.memory.host import host_refusal
+from titan_thd.memory.plan import plan_memory
 from titan_thd.memory.state import size
 from titan_thd.models.spec import ModelOutput, ModelSpec, ParallelSpec, PipelineSpec
 from titan_thd.parallel import seeded_init

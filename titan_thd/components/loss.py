@@ -10,6 +10,10 @@ Under tensor parallelism the LM head is vocabulary-parallel: its logits are a `S
 softmax denominator and the target logit with two small all-reduces over tp), so the full [T, V]
 logits never exist on one rank. `loss_context` must cover the forward AND the backward.
 
+Under `loss.chunked` a model returns a `HeadInput` (the head's input and weight) in place of its
+logits (`model(tokens, meta, loss_chunk=C)`), and the same sum is computed chunk by chunk without the
+[T, V] logits (components/chunked_loss.py), vocabulary-parallel heads included.
+
 Legend:
     T  rows of this rank's microbatch
     V  vocabulary size
@@ -24,6 +28,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from titan_thd.components.chunked_loss import HeadInput, head_cross_entropy_sum
 from titan_thd.data.packed_batch import IGNORE_INDEX
 
 
@@ -35,15 +40,18 @@ def trained_labels(labels_T: torch.Tensor, loss_mask_T: torch.Tensor | None) -> 
 
 
 def cross_entropy_sum(
-    logits_TV: torch.Tensor, labels_T: torch.Tensor, loss_mask_T: torch.Tensor | None = None
+    logits_TV: torch.Tensor | HeadInput, labels_T: torch.Tensor, loss_mask_T: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Sum of per-token cross-entropy over rows whose label is trained (a scalar).
 
     Logits below float32 (bf16) are upcast inside the loss so the softmax runs in fp32; float64
     logits stay float64 (reference computations in tests). Vocabulary-parallel logits (a DTensor,
-    inside `loss_context`) give the same sum on every tp rank, returned as a plain tensor.
+    inside `loss_context`) give the same sum on every tp rank, returned as a plain tensor. A
+    `HeadInput` (loss.chunked) gives the same sum without the logits.
     """
     labels_T = trained_labels(labels_T, loss_mask_T)
+    if isinstance(logits_TV, HeadInput):
+        return head_cross_entropy_sum(logits_TV, labels_T)
     logits_TV = logits_TV.to(torch.promote_types(logits_TV.dtype, torch.float32))
     ce = F.cross_entropy(logits_TV, labels_T, ignore_index=IGNORE_INDEX, reduction="sum")
     return ce.to_local() if isinstance(ce, DTensor) else ce

@@ -37,6 +37,21 @@ def validate(cfg: Config) -> None:
     positive("training.tokens_per_microbatch", t.tokens_per_microbatch)
     positive("training.max_norm", t.max_norm, allow_zero=True)
     positive("training.planner_cost_attention", t.planner_cost_attention, allow_zero=True)
+    if cfg.loss.chunked and not 1 <= cfg.loss.chunk_tokens <= t.tokens_per_microbatch:
+        raise ValueError(
+            f"loss.chunk_tokens: got {cfg.loss.chunk_tokens}, expected 1..{t.tokens_per_microbatch} "
+            "(training.tokens_per_microbatch: a chunk of rows of one microbatch); e.g. 1024, or "
+            "loss.chunked = false for the full logits"
+        )
+    ac = cfg.activation_checkpoint
+    if ac.offload and ac.mode != "full":
+        raise ValueError(
+            f"activation_checkpoint.offload = true with mode = {ac.mode!r}: only full recomputation keeps "
+            'nothing but each block\'s inputs, which offload moves to host memory; set mode = "full" or '
+            "offload = false"
+        )
+    positive("memory.host_gib", cfg.memory.host_gib, allow_zero=True)
+    positive("memory.ranks_per_node", cfg.memory.ranks_per_node, allow_zero=True)
     validate_precision(t.dtype, t.mixed_precision_param, t.mixed_precision_reduce)
     positive("optimizer.lr", cfg.optimizer.lr)
     positive("optimizer.weight_decay", cfg.optimizer.weight_decay, allow_zero=True)

@@ -160,6 +160,20 @@ class Training:
 
 
 @dataclass
+class Loss:
+    chunked: bool = False
+    """Compute the token cross-entropy (and dsv4's MTP cross-entropy) chunk by chunk from the final
+    hidden states and the LM head's weight, never the [T, V] logits (components/chunked_loss.py): each
+    chunk's logits are made in the forward for their log-sum-exp and again in the backward for their
+    gradient (one more LM-head matmul per step), so the loss holds [chunk_tokens, V] instead of [T, V]
+    float32 twice. Equal to the full logits' loss and gradients up to rounding, on every layout (the
+    vocabulary-parallel head of tensor parallelism included); validation uses it too, generation and
+    evaluation keep their logits."""
+    chunk_tokens: int = 1024
+    """loss.chunked: rows per chunk, 1..training.tokens_per_microbatch (only trained rows are chunked)."""
+
+
+@dataclass
 class Optimizer:
     name: Literal["adamw", "muon"] = "adamw"
     """`adamw` for every parameter, or `muon` (Muon for matrices, AdamW for the rest)."""
@@ -279,6 +293,22 @@ class ActivationCheckpoint:
     layers: int = 0
     """Recompute only the first N blocks of each pipeline stage (Megatron's `block` method), the MTP
     block counted last; 0 = every block."""
+    offload: bool = False
+    """mode = full: keep each recomputed block's inputs (what full recomputation saves) in host memory
+    (pinned on CUDA) from its forward to its backward, and bring them back one block ahead of the
+    backward (a side stream on CUDA; copies on a CPU) (parallel/offload.py). Bitwise the same step; the
+    memory plan counts those bytes as host memory per rank and per node."""
+
+
+@dataclass
+class Memory:
+    host_gib: float = 0.0
+    """Host memory of one node in GiB, for the memory plan's host line and refusal
+    (activation_checkpoint.offload keeps the recomputed blocks' inputs there): 0 = this machine's
+    available memory (MemAvailable); set it for a dry run of another machine, e.g. 2000 for a DGX."""
+    ranks_per_node: int = 0
+    """Ranks that share one node's host memory: 0 = LOCAL_WORLD_SIZE (torchrun's), in a dry run
+    min(world size, 8)."""
 
 
 @dataclass
@@ -371,11 +401,13 @@ class Config:
     model: Model = field(default_factory=Model)
     data: Data = field(default_factory=Data)
     training: Training = field(default_factory=Training)
+    loss: Loss = field(default_factory=Loss)
     optimizer: Optimizer = field(default_factory=Optimizer)
     lora: LoRA = field(default_factory=LoRA)
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     parallelism: Parallelism = field(default_factory=Parallelism)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    memory: Memory = field(default_factory=Memory)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     metrics: Metrics = field(default_factory=Metrics)
     validation: Validation = field(default_factory=Validation)

@@ -43,6 +43,7 @@ from titan_thd.lora.targets import LoRAPlan, attach, init_adapters
 from titan_thd.memory import cache
 from titan_thd.memory.state import size
 from titan_thd.models.spec import ModelSpec, count_params
+from titan_thd.parallel.offload import observe_offload
 from titan_thd.parallel.recompute import observe_decisions
 
 logger = logging.getLogger("titan_thd")
@@ -61,6 +62,8 @@ class SavedBytes:
     """Saved before the first layer: the first stage's."""
     after: float
     """Saved after the last layer: the last stage's."""
+    host: dict[str, float] = dataclasses.field(default_factory=dict)
+    """activation_checkpoint.offload: layer key (or "after": dsv4's MTP) -> its inputs in host memory."""
 
     def of(self, layer_keys: list[str], first: bool, last: bool) -> float:
         """One stage's (or pipeline chunk's) bytes per microbatch."""
@@ -85,10 +88,15 @@ def recomputation(spec: ModelSpec, ac: ActivationCheckpoint) -> Prepare | None:
 
 
 def measure(
-    spec: ModelSpec, args: Any, tokens: int, dtype: torch.dtype, prepare: Prepare | None = None
+    spec: ModelSpec,
+    args: Any,
+    tokens: int,
+    dtype: torch.dtype,
+    prepare: Prepare | None = None,
+    loss_chunk: int = 0,
 ) -> SavedBytes:
     """Saved bytes of one forward + loss of `spec.build(args)` (through `prepare`) on one document of
-    `tokens` tokens."""
+    `tokens` tokens; `loss_chunk` > 0: the loss as loss.chunked computes it (no [T, V] logits)."""
     with torch.random.fork_rng(devices=[]):  # the caller's RNG stream stays untouched
         torch.manual_seed(0)
         model = spec.build(args).to(dtype).train()
@@ -118,13 +126,23 @@ def measure(
             if isinstance(t, torch.Tensor):
                 pack(t)
 
+    host: dict[str, float] = {}
+
+    def offloaded(t: torch.Tensor) -> None:  # a block's input copied to host memory (offload)
+        where = state["layer"] or "after"
+        host[where] = host.get(where, 0) + t.untyped_storage().nbytes()
+
     hooks = []
     for key, layer in model.layers.items():
         hooks.append(layer.register_forward_pre_hook(lambda m, a, key=key: state.update(layer=key)))
         hooks.append(layer.register_forward_hook(lambda m, a, o: state.update(layer=None, passed=True)))
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), observe_decisions(decision):
-            out = model(batch.tokens, meta)
+        with (
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+            observe_decisions(decision),
+            observe_offload(offloaded),
+        ):
+            out = model(batch.tokens, meta, **({"loss_chunk": loss_chunk} if loss_chunk else {}))
             loss = cross_entropy_sum(out.logits, batch.labels, batch.loss_mask)
             loss = loss + sum(out.aux_losses.values())
     finally:
@@ -132,7 +150,7 @@ def measure(
             h.remove()
     del loss, out  # no backward: the graph and what it saved go here
     layers = {key: counts.get(key, 0.0) for key in model.layers}
-    return SavedBytes(layers, counts.get("before", 0.0), counts.get("after", 0.0))
+    return SavedBytes(layers, counts.get("before", 0.0), counts.get("after", 0.0), host)
 
 
 def estimate(
@@ -143,6 +161,7 @@ def estimate(
     narrow_ok: bool = True,
     prepare: Prepare | None = None,
     progress: Progress | None = None,
+    loss_chunk: int = 0,
 ) -> SavedBytes | None:
     """`measure` at full width when the model is small enough, else extrapolated from two narrowed
     copies (module docstring; a minute or more of CPU for DSv4-Flash, so only where `narrow_ok`, else
@@ -151,19 +170,23 @@ def estimate(
     if f is None:
         return None
     if f == 1:
-        got = measure(spec, args, tokens, dtype, prepare)
+        got = measure(spec, args, tokens, dtype, prepare, loss_chunk)
         if progress is not None:
             progress.advance(tokens)
         return got
     (narrow_a, kind_of), (narrow_b, _) = narrowed(spec, args, f), narrowed(spec, args, f // 2)
-    a = measure(spec, narrow_a, tokens, dtype, prepare)
+    a = measure(spec, narrow_a, tokens, dtype, prepare, loss_chunk)
     if progress is not None:
         progress.advance(tokens)
-    b = measure(spec, narrow_b, tokens, dtype, prepare)
+    b = measure(spec, narrow_b, tokens, dtype, prepare, loss_chunk)
     if progress is not None:
         progress.advance(tokens)
     full = extrapolate(a, b, f)
-    return SavedBytes({str(i): full.layers[str(k)] for i, k in enumerate(kind_of)}, full.before, full.after)
+    host = {str(i): full.host[str(k)] for i, k in enumerate(kind_of) if str(k) in full.host}
+    host |= {"after": full.host["after"]} if "after" in full.host else {}
+    return SavedBytes(
+        {str(i): full.layers[str(k)] for i, k in enumerate(kind_of)}, full.before, full.after, host
+    )
 
 
 def narrow_factor(spec: ModelSpec, args: Any, narrow_ok: bool = True) -> int | None:
@@ -199,6 +222,7 @@ def extrapolate(a: SavedBytes, b: SavedBytes, f: int) -> SavedBytes:
         {k: line(a.layers[k], b.layers[k]) for k in a.layers},
         line(a.before, b.before),
         line(a.after, b.after),
+        {k: line(a.host.get(k, 0.0), b.host.get(k, 0.0)) for k in {*a.host, *b.host}},
     )
 
 
@@ -235,7 +259,8 @@ class ActivationMemory:
     """activation_checkpoint.layers: only the first N blocks of each stage are recomputed (0 = all)."""
     loss_grad: float = 0.0
     """What the loss's backward holds at the start of the last stage's backward: the gradients of
-    the log-softmax and of the logits, [T, vocab] each in at least float32 (`loss_gradient_bytes`)."""
+    the log-softmax and of the logits, [T, vocab] each in at least float32, or under loss.chunked one
+    chunk's (`loss_gradient_bytes`)."""
 
     def stage(self, layer_keys: list[str], first: bool, last: bool) -> tuple[float, float]:
         """(saved bytes per microbatch, the backward's largest transient) of one pipeline stage (or of
@@ -249,15 +274,32 @@ class ActivationMemory:
         saved = sum(self.kept.layers[k] if k in wrapped else plain.layers[k] for k in layer_keys)
         saved += first * self.kept.before + last * (self.kept.after if tail else plain.after)
         peaks = [self.recompute[k] for k in wrapped] + [self.recompute["after"]] * tail
-        return saved, max([*peaks, last * self.loss_grad], default=0.0)
+        ahead = max(self.kept.host.values(), default=0.0)  # offload: the next block's inputs fetched
+        return saved, max([p + ahead for p in peaks] + [last * self.loss_grad], default=0.0)
+
+    def host(self, layer_keys: list[str], last: bool) -> float:
+        """activation_checkpoint.offload: host bytes per microbatch of one stage (its recomputed
+        blocks' inputs, `stage`'s `wrapped` and tail); 0 without offload."""
+        n = self.layers or len(layer_keys) + 1
+        wrapped, tail = layer_keys[:n], last and len(layer_keys) < n
+        return sum(self.kept.host.get(k, 0.0) for k in wrapped) + tail * self.kept.host.get("after", 0.0)
 
 
-def loss_gradient_bytes(args: Any, tokens: int, dtype: torch.dtype) -> float:
+def loss_gradient_bytes(
+    args: Any, tokens: int, dtype: torch.dtype, loss_chunk: int = 0, head_trained: bool = True
+) -> float:
     """ActivationMemory.loss_grad: cross-entropy's backward makes the gradient of the log-softmax and
-    from it the gradient of the logits ([T, vocab] each, float32 at least: components/loss.py
-    upcasts), both alive at once (measured: memory/live.py)."""
-    itemsize = torch.empty((), dtype=torch.promote_types(dtype, torch.float32)).element_size()
-    return 2.0 * tokens * args.vocab_size * itemsize
+    from it the gradient of the logits ([T, vocab] each, float32 at least: loss.py upcasts), both alive
+    at once (measured: memory/live.py). loss.chunked (chunked_loss.py): one chunk of min(loss_chunk, T)
+    rows: its logits in the compute dtype, their float32 copy turned in place into the gradient, cast
+    back; a trained head below float32 adds its weight gradient's float32 accumulator [vocab, dim]."""
+    acc = torch.promote_types(dtype, torch.float32)
+    itemsize = torch.empty((), dtype=acc).element_size()
+    if not loss_chunk:
+        return 2.0 * tokens * args.vocab_size * itemsize
+    rows, narrow = min(loss_chunk, tokens), (dtype != acc) * dtype.itemsize
+    accumulator = head_trained * (dtype != acc) * args.vocab_size * args.dim * itemsize
+    return float(rows * args.vocab_size * (itemsize + narrow) + accumulator)
 
 
 _MEASURED: dict[str, ActivationMemory | None] = {}
@@ -271,6 +313,7 @@ def activation_memory(
     ac: ActivationCheckpoint,
     narrow_ok: bool = True,
     lora: LoRAPlan | None = None,
+    loss_chunk: int = 0,
 ) -> ActivationMemory | None:
     """Saved bytes per layer of one microbatch of `tokens` tokens without and with the run's
     recomputation, and what each layer's recomputation holds; None where `estimate` is None (a model
@@ -283,10 +326,14 @@ def activation_memory(
     under `selective` the regions are recomputed one at a time (each at its own first unpack in the
     backward), so the largest region's own bytes, each region measured alone."""
     key = repr((spec.name, args, tokens, dtype, ac, narrow_ok, lora))
+    key += f" loss_chunk {loss_chunk}" if loss_chunk else ""  # the keys of the full logits unchanged
     if key not in _MEASURED:
         if lora is not None:  # every build of the measurement (narrowed copies too) gets the adapters
             spec = dataclasses.replace(spec, build=functools.partial(_with_adapters, spec.build, lora))
-        _MEASURED[key] = _activation_memory(spec, args, tokens, dtype, ac, narrow_ok, key)
+        head_trained = lora is None  # LoRA never adapts the head
+        _MEASURED[key] = _activation_memory(
+            spec, args, tokens, dtype, ac, narrow_ok, key, (loss_chunk, head_trained)
+        )
     return _MEASURED[key]
 
 
@@ -317,7 +364,7 @@ def lengths_measured(tokens: int, ac: ActivationCheckpoint) -> list[int]:
     ]
 
 
-def _activation_memory(spec, args, tokens, dtype, ac, narrow_ok, key):
+def _activation_memory(spec, args, tokens, dtype, ac, narrow_ok, key, loss=(0, True)):
     """`activation_memory` measured, or read from the disk cache (memory/cache.py) where it measures
     narrowed copies (a minute or more: once per model shape, length, dtype and recomputation)."""
     f = narrow_factor(spec, args, narrow_ok)
@@ -335,7 +382,7 @@ def _activation_memory(spec, args, tokens, dtype, ac, narrow_ok, key):
     what += f" on {on}"
     weight = sum(lengths) * (1 if f == 1 else 2)
     with Progress(what, forwards, "forwards", weight=weight, announce=f > 1) as progress:
-        got = _measure_all(spec, args, tokens, dtype, ac, narrow_ok, progress)
+        got = _measure_all(spec, args, tokens, dtype, ac, narrow_ok, progress, loss)
     assert progress.count == forwards, (progress.count, forwards)  # lengths_measured is the plan
     if f > 1 and got is not None:
         cache.store(key, dataclasses.asdict(got))
@@ -348,26 +395,28 @@ def from_json(d: dict[str, Any]) -> ActivationMemory:
     return ActivationMemory(plain, SavedBytes(**d["kept"]), d["recompute"], d["layers"], d["loss_grad"])
 
 
-def _measure_all(spec, args, tokens, dtype, ac, narrow_ok, progress):
-    recompute = recomputation(spec, ac)
-    kept = estimate(spec, args, tokens, dtype, narrow_ok, recompute, progress)
+def _measure_all(spec, args, tokens, dtype, ac, narrow_ok, progress, loss):
+    """`loss`: (loss.chunked's rows per chunk or 0, whether the head is trained)."""
+    recompute, chunk = recomputation(spec, ac), loss[0]
+    measured = functools.partial(estimate, loss_chunk=chunk)  # the loss as the run computes it
+    kept = measured(spec, args, tokens, dtype, narrow_ok, recompute, progress)
     if kept is None:
         return None
-    loss_grad = loss_gradient_bytes(args, tokens, dtype)
+    loss_grad = loss_gradient_bytes(args, tokens, dtype, *loss)
     if recompute is None:
         return ActivationMemory(kept, kept, dict.fromkeys([*kept.layers, "after"], 0.0), 0, loss_grad)
     short = min(tokens, RECOMPUTE_TOKENS)
-    plain_short = estimate(spec, args, short, dtype, narrow_ok, None, progress)
+    plain_short = measured(spec, args, short, dtype, narrow_ok, None, progress)
     assert plain_short is not None
     if ac.mode == "selective" and len(ac.regions) > 1:
         one_region = [dataclasses.replace(ac, regions=(r,)) for r in ac.regions]
         alone = [
-            estimate(spec, args, short, dtype, narrow_ok, recomputation(spec, a), progress)
+            measured(spec, args, short, dtype, narrow_ok, recomputation(spec, a), progress)
             for a in one_region
         ]
     else:
         kept_short = (
-            kept if short == tokens else estimate(spec, args, short, dtype, narrow_ok, recompute, progress)
+            kept if short == tokens else measured(spec, args, short, dtype, narrow_ok, recompute, progress)
         )
         alone = [kept_short]
     scale = tokens / short
@@ -379,7 +428,7 @@ def _measure_all(spec, args, tokens, dtype, ac, narrow_ok, progress):
     back["after"] = held(plain_short.after, [a.after for a in alone])
     plain = plain_short
     if short < tokens:  # the blocks after the first `layers` of a stage keep their plain bytes at T
-        plain = estimate(spec, args, tokens, dtype, narrow_ok, None, progress) if ac.layers else None
+        plain = measured(spec, args, tokens, dtype, narrow_ok, None, progress) if ac.layers else None
     return ActivationMemory(plain, kept, back, ac.layers, loss_grad)
 
 

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from titan_thd.components.optimizer import OptimizersContainer
+from titan_thd.memory.host import offload_refusal
 from titan_thd.memory.live import available_host_bytes
 from titan_thd.memory.plan import MemoryPlan, RankMemory, plan_memory
 from titan_thd.models.packed_weight import packed_weights
@@ -36,6 +37,8 @@ def plan_with_activations(run: Run, log: bool) -> MemoryPlan:
     if log:
         for line in plan.activation_lines():
             logger.info("%s", line)
+    if refusal := offload_refusal(plan):  # every simulated rank is this process: no broadcast
+        raise ValueError(refusal)
     return plan
 
 

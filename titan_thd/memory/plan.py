@@ -10,8 +10,11 @@ no process group, no built model. Per pipeline rank (docs/design.md §5.3, §5.6
 - the sharded state: parameters, gradients and optimizer state in the master dtype (memory/state.py);
 - under pipeline parallelism the unsharded stage copy FSDP keeps between microbatches;
 - the activations in flight: the schedule's microbatches in flight x the saved bytes of one;
-- the backward transient: one block's recomputation, or the loss gradient on the last stage;
-- the start-up peak (`startup_peak_bytes`) and the largest FSDP unit (one all-gather).
+- the backward transient: one block's recomputation, or the loss gradient (loss.chunked: one chunk's)
+  on the last stage;
+- the start-up peak (`startup_peak_bytes`) and the largest FSDP unit (one all-gather);
+- activation_checkpoint.offload: the recomputed blocks' inputs in host memory, per rank and per node
+  (`node_host`; the refusal: memory/host.py).
 Counted before tensor parallelism's split (the meta model is not tensor-parallel): under tp > 1 the
 figures are upper bounds, and the lines say so.
 
@@ -32,9 +35,11 @@ from collections.abc import Collection
 import torch
 from torch import nn
 
+from titan_thd.components.chunked_loss import loss_chunk
 from titan_thd.components.optimizer import default_matrix_params
 from titan_thd.components.precision import Precision
 from titan_thd.memory import activations
+from titan_thd.memory.live import available_host_bytes
 from titan_thd.memory.state import (
     MemoryEstimate,
     estimate_memory_per_rank,
@@ -43,7 +48,6 @@ from titan_thd.memory.state import (
     size,
 )
 from titan_thd.models.hf.quant import Format
-from titan_thd.parallel.distributed import broadcast_object
 from titan_thd.parallel.parallel_dims import ParallelDims
 from titan_thd.parallel.seeded_init import BLOCK_BYTES
 from titan_thd.parallel.shards import canonical_name
@@ -110,6 +114,9 @@ class RankMemory:
     """A base kept as released: the largest FSDP all-gather, held with the dequantisation inside a
     block (0 without FSDP, where nothing is gathered, and in every other run: those plans count no
     all-gather, as before)."""
+    offloaded_bytes: float = 0.0
+    """activation_checkpoint.offload: the recomputed blocks' inputs in host memory, every microbatch
+    in flight (not in the device figures above); 0 otherwise."""
 
     @property
     def state_bytes(self) -> int:
@@ -158,6 +165,8 @@ class MemoryPlan:
     """Shape of one microbatch's stage-boundary input (None without pipeline parallelism)."""
     boundary_bytes: float
     acts: activations.ActivationMemory | None
+    node: tuple[int, float, str] = (1, 0.0, "")
+    """(ranks per node, a node's host bytes, where that figure comes from): `node_host`."""
 
     @property
     def per_rank_total(self) -> float:
@@ -180,8 +189,31 @@ class MemoryPlan:
         return max((counts(h) for h in hosts), key=lambda c: sum(n * self.ranks[r].total_bytes for r, n in c))
 
     def host_bytes(self, local_ranks: int) -> float:
-        """What the fullest host needs at once: its ranks' peaks (start-up included) summed."""
-        return sum(n * self.ranks[r].total_bytes for r, n in self.host_ranks(local_ranks))
+        """What the fullest host needs at once: its ranks' peaks (start-up included) summed, with
+        what offload keeps in host memory (on a CPU the device is the host)."""
+        return sum(
+            n * (self.ranks[r].total_bytes + self.ranks[r].offloaded_bytes)
+            for r, n in self.host_ranks(local_ranks)
+        )
+
+    def offloaded_node_bytes(self, ranks_per_node: int) -> float:
+        """activation_checkpoint.offload: what the fullest node's ranks keep in its host memory."""
+        return sum(n * self.ranks[r].offloaded_bytes for r, n in self.host_ranks(ranks_per_node))
+
+    def offload_line(self) -> str:
+        """The host-memory line of activation_checkpoint.offload ("" without it): per rank and per node."""
+        if not any(r.offloaded_bytes for r in self.ranks):
+            return ""
+        ranks_per_node, node_bytes, source = self.node
+        r = max(self.ranks, key=lambda r: r.offloaded_bytes)
+        n = "K" if r.in_flight is None else str(r.in_flight)
+        per_mb = r.offloaded_bytes / (r.in_flight or 1)
+        return (
+            f"host memory (activation_checkpoint.offload, not in the device figures): the recomputed "
+            f"blocks' inputs, per rank <= {n} x {size(per_mb)} = {size(r.offloaded_bytes)}; per node of "
+            f"{ranks_per_node} ranks {size(self.offloaded_node_bytes(ranks_per_node))} of its "
+            f"{size(node_bytes)} ({source})"
+        )
 
     def state_line(self) -> str:
         """The header's parameter-memory line (pipeline rank 0's; every rank's under `stage_lines`)."""
@@ -201,7 +233,7 @@ class MemoryPlan:
                 if r.transient_bytes
                 else activations.summary(acts, self.tokens, other)
             )
-            return [summary, *self.parts_lines(), self.startup_line()]
+            return [summary, *self._offload_lines(), *self.parts_lines(), self.startup_line()]
         mib = self.boundary_bytes / 2**20
         lines = []
         for r in self.ranks:
@@ -212,7 +244,7 @@ class MemoryPlan:
                 f"in-flight microbatch inputs {flight} (boundary {list(self.boundary or ())}, {self.schedule})"
             )
             lines.append(line + ("; " + _saved(r) if r.saved_bytes is not None else ""))
-        return [*lines, *self.parts_lines(), self.startup_line()]
+        return [*lines, *self._offload_lines(), *self.parts_lines(), self.startup_line()]
 
     def activation_lines(self) -> list[str]:
         """The lines of activations measured after the header (a dry run, memory/dry_run.py): the one
@@ -220,7 +252,7 @@ class MemoryPlan:
         if self.schedule is None:
             return self.stage_lines()
         saved = [f"pp rank {r.rank}: {_saved(r)}" for r in self.ranks if r.saved_bytes is not None]
-        return [*saved, *self.parts_lines(), self.startup_line()]
+        return [*saved, *self._offload_lines(), *self.parts_lines(), self.startup_line()]
 
     def parts_lines(self) -> list[str]:
         """A base kept as released: one line per pipeline rank with every part of its peak (every rank
@@ -252,6 +284,9 @@ class MemoryPlan:
             + (" (activations not included)" if self.acts is None else "")
         )
 
+    def _offload_lines(self) -> list[str]:
+        return [line] if (line := self.offload_line()) else []
+
     def _tp_note(self) -> str:
         return f" (before the tp {self.tp} split)" if self.tp > 1 else ""
 
@@ -282,7 +317,9 @@ def plan_memory(run: Run, measure: bool = True) -> MemoryPlan:
     loads_checkpoint = bool(run.cfg.model.hf_path) and not run.fake
     tokens, ac = run.tokens_per_rank, run.cfg.activation_checkpoint
     acts = (
-        activations.activation_memory(spec, model_args, tokens, precision.compute, ac, run.fake, run.lora)
+        activations.activation_memory(
+            spec, model_args, tokens, precision.compute, ac, run.fake, run.lora, loss_chunk(run.cfg.loss)
+        )
         if measure
         else None
     )
@@ -316,12 +353,15 @@ def plan_memory(run: Run, measure: bool = True) -> MemoryPlan:
             virtual = len(layers) // pp
             k = 4 * pp * virtual  # beyond this K the 1F1B-type schedules keep no more in flight
             in_flight = None if schedule == "GPipe" else max_in_flight(schedule, pp, virtual, rank, k)
-        saved, back = None, 0.0
+        saved, back, offloaded = None, 0.0, 0.0
         if acts is not None:  # the rank's largest chunk, once per in-flight (chunk, microbatch)
             per_chunk = [
                 acts.stage([str(i) for i in layers[s]], s == 0, s == len(layers) - 1) for s in chunks
             ]
             saved, back = max(c for c, _ in per_chunk), max(b for _, b in per_chunk)
+            # offload: every chunk's blocks of every microbatch in flight wait in host memory
+            host = max(acts.host([str(i) for i in layers[s]], s == len(layers) - 1) for s in chunks)
+            offloaded = (in_flight or 1) * host
         ranks.append(
             RankMemory(
                 rank=rank,
@@ -350,9 +390,11 @@ def plan_memory(run: Run, measure: bool = True) -> MemoryPlan:
                 dequant_bytes=dequant,
                 dequant_of=dequant_of,
                 gather_bytes=unit if gathers else 0,
+                offloaded_bytes=offloaded,
             )
         )
     return MemoryPlan(
+        node=node_host(run),
         ranks=tuple(ranks),
         world_size=dims.world_size,
         tokens=tokens,
@@ -392,43 +434,12 @@ def largest_unit_bytes(
     return max(units.values(), default=0) * precision.compute.itemsize
 
 
-def host_refusal(
-    plan: MemoryPlan, local_ranks: int, available: float, tokens_per_microbatch: int, cp: int, ac_mode: str
-) -> str:
-    """The host-memory refusal's message ("" when the fullest host's ranks fit in `available`): CPU
-    ranks share their host's memory, and a run that cannot fit is refused with the numbers instead of
-    being killed by the kernel in its first step (which can take the user's other work with it)."""
-    need = plan.host_bytes(local_ranks)
-    if need <= available:
-        return ""
-    counts = plan.host_ranks(local_ranks)
-
-    def each(r: RankMemory) -> str:
-        return size(r.total_bytes) + (" (start-up)" if r.startup_bytes > r.steady_bytes else "")
-
-    if len(counts) == 1:
-        ranks = f"{local_ranks} rank(s) on this host x {each(plan.ranks[counts[0][0]])} estimated per rank"
-    else:
-        listed = " + ".join(f"{n} x {each(plan.ranks[r])} (pp rank {r})" for r, n in counts)
-        ranks = f"{local_ranks} rank(s) on this host: {listed} estimated per rank"
-    line = "activation line" if plan.schedule is None else "pp rank lines"
-    return (
-        f"memory: {ranks} (the header's {line}: training.tokens_per_microbatch {tokens_per_microbatch:,} "
-        f"over context parallel degree {cp}, activation_checkpoint.mode = {ac_mode}) = {size(need)}, more "
-        f"than the {size(available)} this machine has available; recompute "
-        "(--activation_checkpoint.mode full), lower training.tokens_per_microbatch or raise "
-        "parallelism.context_parallel_degree"
-    )
-
-
-def refuse_beyond_host(plan: MemoryPlan | None, available: float, run: Run, is_main: bool) -> None:
-    """ValueError on every rank when the fullest host's ranks cannot fit in `available` bytes (rank 0,
-    `is_main`, decides with its plan of `run` and tells the others: they refuse together). A collective."""
-    message = ""
-    if is_main:
-        assert plan is not None  # rank 0 plans the memory
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        t, ac = run.cfg.training, run.cfg.activation_checkpoint
-        message = host_refusal(plan, local, available, t.tokens_per_microbatch, run.dims.cp, ac.mode)
-    if message := broadcast_object(message):
-        raise ValueError(message)
+def node_host(run: Run) -> tuple[int, float, str]:
+    """(ranks per node, a node's host memory in bytes, its source): memory.ranks_per_node or
+    LOCAL_WORLD_SIZE (a dry run: min(world, 8)); memory.host_gib or this machine's available memory."""
+    m = run.cfg.memory
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    ranks = m.ranks_per_node or (int(local) if local and not run.fake else min(run.dims.world_size, 8))
+    if m.host_gib:
+        return ranks, m.host_gib * 2**30, "memory.host_gib"
+    return ranks, float(available_host_bytes()), "this machine's available memory"

@@ -32,32 +32,46 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from titan_thd.parallel.offload import Offloader
+
 T = TypeVar("T")
 
 
 # ============================================================================ wrappers
-def checkpointed(fn: Callable[..., T]) -> Callable[..., T]:
+def checkpointed(fn: Callable[..., T], offload: tuple[Offloader, bool] | None = None) -> Callable[..., T]:
     """`fn` with its saved tensors dropped after the forward and recomputed in the backward (only
-    its tensor inputs are kept). Without autograd (validation, no_grad) it is `fn` itself."""
+    its tensor inputs are kept). Without autograd (validation, no_grad) it is `fn` itself.
+    `offload` (activation_checkpoint.offload): (the chunk's Offloader, whether this is its first
+    wrapped block): the kept inputs wait in host memory (parallel/offload.py)."""
 
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> T:
         if not torch.is_grad_enabled():
             return fn(*args, **kwargs)
-        return checkpoint(
-            fn, *args, use_reentrant=False, early_stop=False, context_fn=_decision_contexts, **kwargs
-        )
+        # Around the checkpoint: its hooks see the inputs it keeps, not the recomputed tensors.
+        with offload[0].hooks(first=offload[1]) if offload else contextlib.nullcontext():
+            return checkpoint(
+                fn, *args, use_reentrant=False, early_stop=False, context_fn=_decision_contexts, **kwargs
+            )
 
     run.recomputed = fn  # type: ignore[attr-defined]
     return run
 
 
-def checkpoint_module(module: nn.Module) -> None:
+def checkpoint_module(module: nn.Module, offload: tuple[Offloader, bool] | None = None) -> None:
     """Recompute `module`'s forward in the backward: its instance `forward` becomes the checkpointed
     class forward. The module, its name and its hooks stay (FSDP's and the TP styles' run in
-    `__call__`, around the checkpoint, not again in the recomputation)."""
+    `__call__`, around the checkpoint, not again in the recomputation). `offload`: `checkpointed`'s."""
     assert not is_checkpointed(module), f"{type(module).__name__} is checkpointed twice"
-    module.forward = checkpointed(module.forward)
+    module.forward = checkpointed(module.forward, offload)
+
+
+def checkpoint_blocks(blocks: list[nn.Module], offload: bool) -> None:
+    """Full recomputation of `blocks` (one model chunk's, in forward order); `offload`
+    (activation_checkpoint.offload): their kept inputs in host memory, one Offloader for the chunk."""
+    offloader = Offloader() if offload else None
+    for i, block in enumerate(blocks):
+        checkpoint_module(block, None if offloader is None else (offloader, i == 0))
 
 
 def is_checkpointed(module: nn.Module) -> bool:

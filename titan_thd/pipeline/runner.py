@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from titan_thd.components.chunked_loss import loss_chunk
 from titan_thd.components.loss import cross_entropy_sum, loss_context
 from titan_thd.components.progress import Progress
 from titan_thd.data.packed_batch import PackedBatch
@@ -41,8 +42,11 @@ class LocalRunner:
     also_scale: tuple[nn.Parameter, ...] = ()
     """No stage copies of tied weights to clip without counting them."""
 
-    def __init__(self, model: nn.Module, tensor_parallel: bool, device: torch.device):
+    def __init__(self, model: nn.Module, tensor_parallel: bool, device: torch.device, loss_chunk: int = 0):
         self.model, self.tensor_parallel, self.device = model, tensor_parallel, device
+        self.loss_kwargs = {"loss_chunk": loss_chunk} if loss_chunk else {}
+        """loss.chunked: the loss's rows per chunk, passed to the model (none: the full logits; a model
+        family without chunked heads is never passed it)."""
 
     def step(
         self, inputs: Sequence[StageInput], num_trained: int
@@ -53,7 +57,7 @@ class LocalRunner:
         aux_sums: dict[str, torch.Tensor] = {}
         for inp in inputs:
             with loss_context(self.tensor_parallel):  # must cover the backward too
-                out = self.model(inp.tokens, inp.meta)
+                out = self.model(inp.tokens, inp.meta, **self.loss_kwargs)
                 ce = cross_entropy_sum(out.logits, inp.labels, inp.loss_mask)
                 aux = sum(out.aux_losses.values(), torch.zeros((), device=ce.device))
                 ((ce + aux) / num_trained).backward()
@@ -69,7 +73,7 @@ class LocalRunner:
         ce = torch.zeros((), dtype=torch.float64, device=self.device)
         for inp in inputs:
             with loss_context(self.tensor_parallel):
-                out = self.model(inp.tokens, inp.meta)
+                out = self.model(inp.tokens, inp.meta, **self.loss_kwargs)
                 ce += cross_entropy_sum(out.logits, inp.labels, inp.loss_mask).double()
         return ce
 
@@ -139,8 +143,9 @@ def build(
         model.to_empty(device=device)
         init(model)
     model = model.train()
+    chunk = loss_chunk(run.cfg.loss)
     if stages is None:
-        return ModelParts(model, LocalRunner(model, dims.tp_enabled, device), num_params)
+        return ModelParts(model, LocalRunner(model, dims.tp_enabled, device, chunk), num_params)
     on_end = pp_rank in (0, pp - 1)
     tied_group = tied_groups(dims) if tied else None
     runner = PipelineSchedule(
@@ -156,5 +161,6 @@ def build(
         tied=[q for n in tied for q in getattr(model, n).parameters()] if on_end else [],
         tied_group=tied_group if on_end else None,
         tensor_parallel=dims.tp_enabled,
+        loss_chunk=chunk,
     )
     return ModelParts(model, runner, num_params)

@@ -173,6 +173,7 @@ class PipelineSchedule:
         tied: list[nn.Parameter] | None = None,
         tied_group: dist.ProcessGroup | None = None,
         tensor_parallel: bool = False,
+        loss_chunk: int = 0,
     ):
         assert schedule in SCHEDULES, schedule
         assert 0 <= rank < pp and dist.get_world_size(group) == pp
@@ -185,6 +186,8 @@ class PipelineSchedule:
         self.tied_group = tied_group
         self.tensor_parallel = tensor_parallel
         """Vocabulary-parallel logits on the last stage: its loss runs under `loss_context`."""
+        self.loss_kwargs = {"loss_chunk": loss_chunk} if loss_chunk else {}
+        """loss.chunked: the loss's rows per chunk, passed to every stage's model (none: full logits)."""
         self._aux_keys: list[str] | None = None
         self._checked_k = False
 
@@ -214,7 +217,7 @@ class PipelineSchedule:
         first, last = self._stage(chunk) == 0, self._stage(chunk) == self.num_stages - 1
         x_in = inp.tokens if first else x.requires_grad_()
         with loss_context(self.tensor_parallel and last):  # vocabulary-parallel logits
-            out = self.chunks[chunk](x_in, inp.meta)
+            out = self.chunks[chunk](x_in, inp.meta, **self.loss_kwargs)
             ce = cross_entropy_sum(out.logits, inp.labels, inp.loss_mask) if last else None
         for k, v in out.aux_losses.items():
             sums[k] = sums.get(k, 0) + v.detach().double()
@@ -299,7 +302,7 @@ class PipelineSchedule:
                     (x,) = self._communicate([], [((s - 1) % self.pp, Action(False, chunk, 0))])
                 last = s == self.num_stages - 1
                 with loss_context(self.tensor_parallel and last):
-                    out = self.chunks[chunk](inp.tokens if s == 0 else x, inp.meta)
+                    out = self.chunks[chunk](inp.tokens if s == 0 else x, inp.meta, **self.loss_kwargs)
                     if last:
                         ce += cross_entropy_sum(out.logits, inp.labels, inp.loss_mask).double()
                 if not last:

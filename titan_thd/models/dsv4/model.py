@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from titan_thd.components.chunked_loss import HeadInput
 from titan_thd.components.loss import cross_entropy_sum
 from titan_thd.data.batch_meta import BatchMeta
 from titan_thd.models.dsv4.args import DSv4Args
@@ -59,10 +60,12 @@ class DSv4Model(nn.Module):
         self.head = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.mtp = nn.ModuleList(MTPBlock(args) for _ in range(args.mtp_layers))
 
-    def forward(self, x: torch.Tensor, meta: BatchMeta) -> ModelOutput:
+    def forward(self, x: torch.Tensor, meta: BatchMeta, loss_chunk: int = 0) -> ModelOutput:
         """x: [T] token ids, or on a later pipeline stage the [T, N, d] streams of the previous one
         (the token ids of hash-routed layers then come from meta.tokens). A stage without the
-        head returns its output streams in place of the logits."""
+        head returns its output streams in place of the logits. `loss_chunk` > 0 (loss.chunked): the
+        head's input in place of the logits (a `HeadInput`, components/chunked_loss.py), and the MTP
+        loss computed in chunks of that many rows too."""
         args = self.args
         if x.dim() == 1:
             tokens_T = x
@@ -82,13 +85,17 @@ class DSv4Model(nn.Module):
             aux["indexer"] = args.indexer_loss_coeff * kl_sum
         if self.head is None:
             return ModelOutput(h_TND, aux)
-        logits_TV = self.head(self.norm(self.hc_head(h_TND)))
+        x_TD = self.norm(self.hc_head(h_TND))
+        logits_TV = HeadInput.of(x_TD, self.head, loss_chunk) if loss_chunk else self.head(x_TD)
         if self.mtp and meta.labels_full is not None and args.mtp_loss_weight > 0:
             vocab_parallel = isinstance(logits_TV, DTensor)  # tensor parallelism: Shard(-1) logits
-            aux["mtp"] = args.mtp_loss_weight * self._mtp_loss_sum(h_TND, meta, plan, vocab_parallel)
+            mtp = self._mtp_loss_sum(h_TND, meta, plan, vocab_parallel, loss_chunk)
+            aux["mtp"] = args.mtp_loss_weight * mtp
         return ModelOutput(logits_TV, aux)
 
-    def _mtp_loss_sum(self, h_TND: torch.Tensor, meta: BatchMeta, plan, vocab_parallel: bool) -> torch.Tensor:
+    def _mtp_loss_sum(
+        self, h_TND: torch.Tensor, meta: BatchMeta, plan, vocab_parallel: bool, loss_chunk: int
+    ) -> torch.Tensor:
         assert meta.loss_mask_full is not None, "MTP needs the loss mask with the labels"
         # Over the whole microbatch, then this rank's rows: a row's MTP target is the next row's label,
         # which may live on the next CP rank (labels_full is global, so no communication).
@@ -96,6 +103,8 @@ class DSv4Model(nn.Module):
             v[plan.rows] for v in mtp_inputs_targets(meta.labels_full, meta.loss_mask_full, plan.doc_full)
         )
         x_TD = self.mtp[0](h_TND, self.embed(next_T), next_T, plan)
+        if loss_chunk:  # the trained rows only, chunk by chunk, on every layout
+            return cross_entropy_sum(HeadInput.of(x_TD, self.head, loss_chunk), target_T, trained_T)
         if vocab_parallel:
             # Vocabulary-parallel head (tensor parallelism): x_TD is this rank's sequence-parallel
             # rows, the head gathers all of them, the untrained ones are masked in the loss.

@@ -45,7 +45,7 @@ from titan_thd.models.dsv4.norm import RMSNorm, rms_norm_formula, weighted_rms_n
 from titan_thd.parallel import expert_parallel
 from titan_thd.parallel.activation_checkpoint import blocks_to_wrap
 from titan_thd.parallel.parallel_dims import ParallelDims
-from titan_thd.parallel.recompute import checkpoint_module, checkpointed
+from titan_thd.parallel.recompute import checkpoint_blocks, checkpoint_module, checkpointed
 from titan_thd.parallel.tensor_parallel import (
     GatherRows,
     ReplicatedFullGrad,
@@ -114,12 +114,13 @@ def apply_ac(model: DSv4Model, ac: ActivationCheckpoint) -> None:
     (`full`) or in the regions `ac.regions` (`selective`); non-reentrant, FQNs unchanged."""
     if ac.mode == "none":
         return
-    for block in blocks_to_wrap([*model.layers.values(), *(model.mtp or ())], ac.layers):
-        if ac.mode == "full":
-            checkpoint_module(block)
-        else:
-            for region in ac.regions:
-                _wrap_region(block, region)
+    blocks = blocks_to_wrap([*model.layers.values(), *(model.mtp or ())], ac.layers)
+    if ac.mode == "full":
+        checkpoint_blocks(blocks, ac.offload)
+        return
+    for block in blocks:
+        for region in ac.regions:
+            _wrap_region(block, region)
 
 
 def tp_divides(args) -> dict[str, int]:

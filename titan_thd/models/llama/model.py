@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from titan_thd.components.chunked_loss import HeadInput
 from titan_thd.data.batch_meta import BatchMeta
 from titan_thd.models.llama.args import LlamaArgs
 from titan_thd.models.projection import Linear
@@ -119,16 +120,21 @@ class Llama(nn.Module):
         self.norm: nn.RMSNorm | None = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
 
-    def forward(self, tokens_T: torch.Tensor, meta: BatchMeta | None) -> ModelOutput:
+    def forward(self, tokens_T: torch.Tensor, meta: BatchMeta | None, loss_chunk: int = 0) -> ModelOutput:
         """tokens_T: [T] ids (or [T, D] hidden states on a pipeline stage without embeddings); with
-        meta None a padded batch [B, S] of ids, one document per row from column 0 (padded_logits)."""
+        meta None a padded batch [B, S] of ids, one document per row from column 0 (padded_logits).
+        `loss_chunk` > 0 (loss.chunked): the head's input in place of the logits (a `HeadInput`,
+        components/chunked_loss.py, whose loss is computed in chunks of that many rows)."""
         h_TD = self.tok_embeddings(tokens_T) if self.tok_embeddings is not None else tokens_T
         for layer in self.layers.values():
             h_TD = layer(h_TD, meta)
         if self.norm is not None:
             h_TD = self.norm(h_TD)
-        logits_TV = self.output(h_TD) if self.output is not None else h_TD
-        return ModelOutput(logits_TV, {})
+        if self.output is None:
+            return ModelOutput(h_TD, {})
+        if loss_chunk:
+            return ModelOutput(HeadInput.of(h_TD, self.output, loss_chunk), {})
+        return ModelOutput(self.output(h_TD), {})
 
     def init_weights(self, seed: int | None = None, skip: Collection[str] = ()) -> None:
         """Fill every parameter (whole, or this rank's shards) from `seed` alone, a value per (tensor,

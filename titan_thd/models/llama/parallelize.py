@@ -24,7 +24,7 @@ from titan_thd.models.compile import compiled
 from titan_thd.models.llama.model import FeedForward, Llama, swiglu
 from titan_thd.parallel.activation_checkpoint import blocks_to_wrap
 from titan_thd.parallel.parallel_dims import ParallelDims
-from titan_thd.parallel.recompute import checkpoint_module
+from titan_thd.parallel.recompute import checkpoint_blocks, checkpoint_module
 from titan_thd.parallel.tensor_parallel import ColwiseWithAdapter, RowwiseWithAdapter, present
 
 
@@ -60,10 +60,11 @@ def apply_ac(model: Llama, ac: ActivationCheckpoint) -> None:
     `__call__` and are not repeated (docs/design.md §5.5)."""
     if ac.mode == "none":
         return
-    for block in blocks_to_wrap(list(model.layers.values()), ac.layers):
-        if ac.mode == "full":
-            checkpoint_module(block)
-            continue
+    blocks = blocks_to_wrap(list(model.layers.values()), ac.layers)
+    if ac.mode == "full":
+        checkpoint_blocks(blocks, ac.offload)
+        return
+    for block in blocks:
         if "mlp" in ac.regions:
             checkpoint_module(block.feed_forward)
         if "norms" in ac.regions:
