@@ -80,6 +80,10 @@ class Run:
     """model.hf_path, opened once at start-up (models/hf/folder.py: config.json, the headers, every
     tensor's plan checked against the model, the fingerprint): what the load, the frozen base and the
     exports read; None without a folder."""
+    meta_model: nn.Module | None
+    """The model as start-up built it on the meta device, adapters attached (names and shapes: the
+    folder's plan and the targets were checked against it); None when start-up needed none. The memory
+    plan reads it instead of building another (tests/lora/test_start_up_reads.py counts the builds)."""
     settings: dict[str, Any]
     """What the run trains, stored in checkpoints and run.json (components/run_settings.py), with the
     frozen base's fingerprint under `lora.base` in a LoRA run: a resume against another base is refused."""

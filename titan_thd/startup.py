@@ -143,6 +143,7 @@ def resolve_run(cfg: Config, world_size: int | None = None) -> Run:
         lora=lora,
         resident=resident,
         hf=folder,
+        meta_model=meta,
         settings=settings,
     )
 

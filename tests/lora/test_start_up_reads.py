@@ -3,7 +3,7 @@ the Hugging Face folder once: `resolve_run` opens it (config.json read once, eac
 parsed once, the fingerprint taken once from the headers as parsed), the `Run` carries it (`Run.hf`), and the load into the
 allocated model (the trainer's `init_base`) reads that one folder. The model is built on the meta
 device twice: once by start-up (the folder's plan, the adapters' targets and the packed-base plan are
-all checked against it) and once as the model itself."""
+all checked against it; the memory plan reads that one, `Run.meta_model`) and once as the model itself."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from tests.lora.test_lora_layouts import COMMON, LORA
 from tests.lora.test_resident import BLOCK, RELEASED
 from tests.models.dsv4._release import write_micro_release
 from tests.test_train_compose import config
+from titan_thd.memory.plan import plan_memory
 from titan_thd.models.hf import folder as hf_folder
 from titan_thd.models.hf import io as hf_io
 from titan_thd.models.hf.base import init_base
@@ -62,6 +63,7 @@ def test_a_released_lora_start_up_reads_the_folder_once(tmp_path, monkeypatch):
     )
     run = resolve_run(cfg)
     assert run.hf is not None and run.resident and run.settings["lora.base"]["fingerprint"]
+    assert plan_memory(run, measure=False).ranks  # the trainer's plan, before it builds the model
     model = build_on_meta(run.build_model).to(run.precision.master)
     stats = {}
     build(model, run, torch.device("cpu"), init=lambda m: stats.update(load=init_base(m, run.hf, 7)))

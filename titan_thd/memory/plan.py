@@ -323,8 +323,10 @@ def plan_memory(run: Run, measure: bool = True) -> MemoryPlan:
         if measure
         else None
     )
-    with torch.device("meta"):
-        full = run.build_model()  # with its LoRA adapters: the frozen base has no grads, no state
+    full = run.meta_model  # with its LoRA adapters: the frozen base has no grads, no state
+    if full is None:
+        with torch.device("meta"):
+            full = run.build_model()
     layers = stages if stages is not None else [[int(k) for k in full.layers]]
     pp = len(layers) if stages is None else dims.pp
     boundary = None
