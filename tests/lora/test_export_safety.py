@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -56,6 +57,11 @@ def test_to_peft_and_to_hf_need_neither_config_nor_base(lora_run, tmp_path, caps
     assert rc == 0, err
     config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == str(base)
+    mask = os.umask(0)
+    os.umask(mask)  # the files get the user's umask, not a temporary folder's 0700 / 0600
+    assert (tmp_path / "peft").stat().st_mode & 0o777 == 0o777 & ~mask
+    for f in (tmp_path / "peft").iterdir():
+        assert f.stat().st_mode & 0o777 == 0o666 & ~mask, f
     rc, _, err = convert(capsys, "to-peft", run, tmp_path / "peft2", "--config", bare)  # no model.hf_path
     assert rc == 0, err
     config = json.loads((tmp_path / "peft2" / "adapter_config.json").read_text())
