@@ -3,15 +3,15 @@
 
     # a trainer checkpoint -> HF folder with the run's tokenizer, loadable by transformers'
     # AutoModelForCausalLM / AutoTokenizer (dsv4: DeepseekV4ForCausalLM, llama: LlamaForCausalLM)
-    .venv/bin/python scripts/convert_hf.py to-hf RUN_OR_CHECKPOINT OUT_DIR --config dsv4_flash_thd.toml [--dtype bfloat16]
+    .venv/bin/python scripts/convert_hf.py to-hf RUN_OR_CHECKPOINT OUT_DIR [--config dsv4_flash_thd.toml] [--dtype bfloat16]
 
     # a LoRA run's checkpoint -> adapter_config.json + adapter_model.safetensors for transformers + peft
     # on the base folder (model.hf_path); `to-hf` on a LoRA run writes the merged model, W + s * B @ A
-    .venv/bin/python scripts/convert_hf.py to-peft outputs/dsv4_flash_lora OUT_DIR --config dsv4_flash_lora.toml [--dtype bfloat16]
+    .venv/bin/python scripts/convert_hf.py to-peft outputs/dsv4_flash_lora OUT_DIR [--dtype bfloat16]
 
     # a dsv4 LoRA run's checkpoint -> the same two files in the layout vLLM serves on the release folder
     # (DeepSeek's tensor names, one adapter per routed expert); prints the `vllm serve` command
-    .venv/bin/python scripts/convert_hf.py to-vllm outputs/dsv4_flash_lora OUT_DIR --config dsv4_flash_lora.toml
+    .venv/bin/python scripts/convert_hf.py to-vllm outputs/dsv4_flash_lora OUT_DIR
 
     # HF (config.json + *.safetensors) -> DCP folder holding the trainer's "model" entries (dsv4)
     .venv/bin/python scripts/convert_hf.py to-dcp HF_DIR OUT_DIR [--flavor tiny]
@@ -63,6 +63,14 @@ architecture comes from the flavor (its vocabulary size is taken from the checkp
 the trainer rounds the tokenizer's up to a multiple of 64) or from an HF config.json; `to-dcp` copies
 config.json next to the shards so the folder converts back with `--hf-config OUT_DIR/config.json`.
 `to-hf` also reads the per-expert layout of checkpoints written before the experts were stacked.
+
+What a run recorded is not asked again (titan_thd/export/recorded.py): without --config, `to-hf` /
+`to-peft` of a run read the config the trainer saved as <job.dump_folder>/config.toml, and a config
+without model.hf_path gets the base folder a LoRA checkpoint recorded (lora.base; gone or changed:
+refused). Every export writes into a folder beside OUT_DIR and moves its files in at the end
+(titan_thd/models/hf/staging.py): a failure leaves OUT_DIR as it was, and an OUT_DIR that is, contains
+or lies inside an input (base folder, run, checkpoint step, source folder) is refused before anything
+is read. Bad input: one `error:` line, exit code 2 (as the trainer's).
 """
 
 from __future__ import annotations
@@ -71,8 +79,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from titan_thd.exits import one_line
-from titan_thd.export import commands
+from titan_thd.exits import USER_ERRORS, one_line
+from titan_thd.export import commands, recorded
 from titan_thd.export.stack import stack_checkpoint
 from titan_thd.export.vllm_adapters import to_vllm
 from titan_thd.inference.loading import config_argv, inference_config
@@ -85,13 +93,17 @@ from titan_thd.startup import resolve_run
 HF_EXTRA = "the hf extra (safetensors, transformers): install it with ./scripts/setup_env.sh hf"
 
 
-def _run(config: str, overrides: list[str]) -> Run:
-    """The run of a config (+ overrides) for one process; ValueError without a Hugging Face format."""
-    cfg = inference_config(config_argv(config) + overrides)
+def _run(argv: list[str]) -> Run:
+    """The run of a trainer argv for one process; ValueError without a Hugging Face format."""
+    cfg = inference_config(argv)
     run = resolve_run(cfg, 1)
     if run.spec.hf is None:
         raise ValueError(f"model {cfg.model.name} has no Hugging Face export (its ModelSpec.hf is None)")
     return run
+
+
+def _config(config: str | None) -> list[str] | None:
+    return config_argv(config) if config else None
 
 
 def _stderr(line: str) -> None:
@@ -110,7 +122,7 @@ def _parser() -> argparse.ArgumentParser:
         "src", type=Path, help="RUN/checkpoint/step-N, a run folder (its newest step) or a DCP folder"
     )
     b.add_argument("out", type=Path)
-    b.add_argument("--config", default=None, help="the run's TOML (a path or a name in train_configs/)")
+    b.add_argument("--config", default=None, help="the run's TOML (default: the run's saved config.toml)")
     b.add_argument("--flavor", default=None, help="without --config: the flavor of a DCP folder")
     b.add_argument("--hf-config", type=Path, default=None, help="without --config: an HF config.json")
     b.add_argument("--dtype", default=None, help="float32, bfloat16 (default: as stored) or released")
@@ -123,12 +135,12 @@ def _parser() -> argparse.ArgumentParser:
     d = sub.add_parser("to-peft", help="a LoRA run's checkpoint -> PEFT adapter folder")
     d.add_argument("src", type=Path, help="RUN/checkpoint/step-N or a run folder (its newest step)")
     d.add_argument("out", type=Path)
-    d.add_argument("--config", required=True, help="the run's TOML (a path or a name in train_configs/)")
+    d.add_argument("--config", default=None, help="the run's TOML (default: the run's saved config.toml)")
     d.add_argument("--dtype", default="float32", help="float32 (default) or bfloat16")
     v = sub.add_parser("to-vllm", help="a dsv4 LoRA run's checkpoint -> adapter folder vLLM serves")
     v.add_argument("src", type=Path, help="RUN/checkpoint/step-N or a run folder (its newest step)")
     v.add_argument("out", type=Path)
-    v.add_argument("--config", required=True, help="the run's TOML (a path or a name in train_configs/)")
+    v.add_argument("--config", default=None, help="the run's TOML (default: the run's saved config.toml)")
     v.add_argument("--dtype", default="float32", help="float32 (default) or bfloat16")
     r = sub.add_parser("to-release", help="HF folder -> the family's release format (FP8 / packed FP4)")
     r.add_argument("src", type=Path, help="an HF folder (config.json + *.safetensors)")
@@ -148,8 +160,14 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     p = _parser()
     opts, overrides = p.parse_known_args(argv)
-    if overrides and not (opts.cmd in ("to-hf", "to-peft", "to-vllm") and opts.config):
-        p.error(f"unrecognized arguments: {' '.join(overrides)} (config overrides need --config)")
+    # to-hf of a DCP folder names its model with --flavor / --hf-config; else it exports a run
+    of_run = opts.cmd in ("to-peft", "to-vllm") or (
+        opts.cmd == "to-hf" and opts.flavor is None and opts.hf_config is None
+    )
+    if overrides and not of_run:
+        p.error(
+            f"unrecognized arguments: {' '.join(overrides)} (config overrides are for a run's checkpoint)"
+        )
     try:
         if opts.cmd == "to-dcp":
             line = commands.to_dcp(opts.src, opts.out, opts.flavor)
@@ -157,18 +175,16 @@ def main(argv: list[str] | None = None) -> int:
             line = commands.to_release(opts.src, opts.out, opts.fp8_block, opts.max_shard_size)
         elif opts.cmd == "stack-experts":
             line = stack_checkpoint(opts.src, opts.out)
-        elif opts.cmd == "to-peft":
-            line = commands.to_peft(
-                opts.src, opts.out, opts.dtype, lambda: _run(opts.config, overrides), _stderr
+        elif opts.cmd == "to-hf" and opts.config is not None and not of_run:
+            raise ValueError(
+                "to-hf --config reads the model from the run's config: drop --flavor / --hf-config"
             )
-        elif opts.cmd == "to-vllm":
-            line = to_vllm(opts.src, opts.out, opts.dtype, lambda: _run(opts.config, overrides), _stderr)
-        elif opts.config is not None:
-            if opts.flavor or opts.hf_config:
-                raise ValueError(
-                    "to-hf --config reads the model from the run's config: drop --flavor / --hf-config"
-                )
-            run = _run(opts.config, overrides)
+        elif opts.cmd in ("to-peft", "to-vllm"):
+            run = lambda: _run(recorded.run_argv(opts.src, opts.out, _config(opts.config), overrides))  # noqa: E731
+            export = commands.to_peft if opts.cmd == "to-peft" else to_vllm
+            line = export(opts.src, opts.out, opts.dtype, run, _stderr)
+        elif of_run:
+            run = _run(recorded.run_argv(opts.src, opts.out, _config(opts.config), overrides))
             line = commands.run_to_hf(run, opts.src, opts.out, opts.dtype, opts.max_shard_size, _stderr)
         else:
             args = (opts.src, opts.out, opts.flavor, opts.hf_config, opts.dtype, opts.max_shard_size)
@@ -178,9 +194,9 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"error: convert_hf.py needs {HF_EXTRA} ({e})", file=sys.stderr)
         return 1
-    except (ValueError, FileNotFoundError) as e:  # NotExportable too
+    except USER_ERRORS as e:  # NotExportable too: bad input, exit code 2 as the trainer's
         print(f"error: {one_line(e)}", file=sys.stderr)
-        return 1
+        return 2
     print(line)
     return 0
 

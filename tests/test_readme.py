@@ -111,5 +111,5 @@ def test_the_readme_s_lora_chain_runs_as_written(tmp_path, monkeypatch):
                 assert out.getvalue().strip()
     finally:
         torch.set_num_threads(threads)
-    peft_dir = tmp_path / "outputs" / "dsv4_flash_lora" / "peft"
+    peft_dir = tmp_path / "outputs" / "dsv4_flash_lora_peft"
     assert {p.name for p in peft_dir.iterdir()} >= {"adapter_config.json", "adapter_model.safetensors"}

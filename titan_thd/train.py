@@ -183,7 +183,9 @@ class Trainer:
             peak_tflops_per_rank(cfg.metrics, run.precision.compute, dev, local) if is_main else 0.0
         )
         dist_utils.barrier()
-        self.metrics = MetricsLogger(cfg.metrics, cfg.job.dump_folder, enabled=is_main, settings=run.settings)
+        self.metrics = MetricsLogger(
+            cfg.metrics, cfg.job.dump_folder, enabled=is_main, settings=run.settings, config=to_toml(cfg)
+        )
         self._recent_step_times = collections.deque(maxlen=10)
         self.compile_clock = CompileClock()  # the compile seconds of the steps that compiled
         self.timer, self.progress = StepTimer(self.dist.device), None

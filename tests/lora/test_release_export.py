@@ -333,10 +333,11 @@ def test_to_release_bad_input_is_one_line(tmp_path, capsys):
             ("to-release", tmp_path, tmp_path / "o1", "--fp8-block", "128"),
             "--fp8-block '128': expected ROWSxCOLS",
         ),
-        (("to-release", tmp_path, tmp_path / "full"), "exists and is not empty"),
+        (("to-release", tmp_path / "src", tmp_path / "full"), "exists and is not empty"),
+        (("to-release", tmp_path, tmp_path / "o2"), "the output folder lies inside the source folder"),
     ]:
         rc, _, err = convert(capsys, *argv)
-        assert rc == 1 and err.startswith("error: ") and err.count("\n") == 1, err
+        assert rc == 2 and err.startswith("error: ") and err.count("\n") == 1, err
         assert message in err, err
 
 
@@ -350,7 +351,7 @@ def test_released_needs_a_release_base_and_is_one_line(lora_run, tmp_path, capsy
     for i, ((cmd, src, *rest), message) in enumerate(cases):
         out = tmp_path / f"out{i}"
         rc, _, err = convert(capsys, cmd, src, out, *rest)
-        assert rc == 1 and err.startswith("error: ") and err.count("\n") == 1, (cmd, rest, err)
+        assert rc == 2 and err.startswith("error: ") and err.count("\n") == 1, (cmd, rest, err)
         assert message in err, (message, err)
         assert not out.exists(), (cmd, rest)
     # a base that is not in the release format

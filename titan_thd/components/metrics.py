@@ -288,15 +288,24 @@ class MetricsLogger:
       that step and later ones that an earlier, interrupted run wrote; a run that starts at step 1
       deletes the older event files (the run it replaces: components/run_settings.py decides
       beforehand whether a new run may replace the folder's metrics).
-    `settings` (the run settings) go to `<dump_folder>/run.json` when the file is prepared.
+    `settings` (the run settings) go to `<dump_folder>/run.json` when the file is prepared, and
+    `config` (the merged config as TOML) to `<dump_folder>/config.toml` beside it: what
+    scripts/convert_hf.py reads when its --config is omitted.
     """
 
     def __init__(
-        self, cfg: MetricsConfig, dump_folder: str, *, enabled: bool, settings: dict[str, Any] | None = None
+        self,
+        cfg: MetricsConfig,
+        dump_folder: str,
+        *,
+        enabled: bool,
+        settings: dict[str, Any] | None = None,
+        config: str | None = None,
     ):
         self.cfg = cfg
         self.enabled = enabled
         self.settings = settings
+        self.config = config
         self.path = Path(dump_folder) / "metrics.jsonl"
         self.tb_dir = Path(dump_folder) / "tb"
         self.jsonl: io.RawIOBase | None = None
@@ -350,7 +359,7 @@ class MetricsLogger:
             os.fsync(f.fileno())
         os.replace(tmp, self.path)
         if self.settings is not None:
-            write_run_file(self.path.parent, self.settings)
+            write_run_file(self.path.parent, self.settings, self.config)
         if first_step <= 1:  # a new run: the replaced run's events would mix with its own
             for old in self.tb_dir.glob("events.out.tfevents.*"):
                 old.unlink()

@@ -36,6 +36,9 @@ logger = logging.getLogger("titan_thd")
 
 RUN_FILE = "run.json"
 """`<job.dump_folder>/run.json`: the run settings of the run whose metrics.jsonl is there."""
+CONFIG_FILE = "config.toml"
+"""`<job.dump_folder>/config.toml`: that run's merged config (config/render.py `to_toml`), the
+default --config of scripts/convert_hf.py."""
 BASE = "lora.base"
 """A LoRA run's frozen base, added by start-up (`base_setting`): {"folder": model.hf_path resolved,
 "fingerprint": models/hf/io.py folder_fingerprint}, or None for a seeded base. Compared by fingerprint
@@ -236,8 +239,13 @@ def check_run_folder(cfg: Config, settings: dict[str, Any], checkpoints: list[in
     )
 
 
-def write_run_file(folder: Path, settings: dict[str, Any]) -> None:
-    """Record the settings of the run that writes `folder/metrics.jsonl` (rank 0, at its first record)."""
-    tmp = folder / (RUN_FILE + ".tmp")
-    tmp.write_text(json.dumps({"settings": settings}, indent=1) + "\n")
-    tmp.replace(folder / RUN_FILE)
+def write_run_file(folder: Path, settings: dict[str, Any], config: str | None = None) -> None:
+    """Record the settings of the run that writes `folder/metrics.jsonl` (rank 0, at its first record),
+    and its merged config (`config`, TOML) as `folder/config.toml`; each file replaced in one rename."""
+    files = {RUN_FILE: json.dumps({"settings": settings}, indent=1) + "\n"}
+    if config is not None:
+        files[CONFIG_FILE] = config
+    for name, text in files.items():
+        tmp = folder / (name + ".tmp")
+        tmp.write_text(text)
+        tmp.replace(folder / name)

@@ -3,6 +3,8 @@ it does is here or in the family-generic Hugging Face door it calls, titan_thd/m
 
     commands.py    each subcommand of convert_hf.py: to-hf (a run's checkpoint, or a DCP folder),
                    to-peft, to-dcp, to-release; returns its summary line
+    recorded.py    `run_argv`: a run's saved config.toml and recorded base as defaults, the output
+                   checked against every input (models/hf/staging.py) before the run is opened
     checkpoint.py  `open_checkpoint`: a trainer checkpoint checked against the run (kind, lora.*,
                    base, fingerprint), the run's model on the meta device; inference opens it so too
     merge.py       `MergedExport`: the base with a LoRA run's adapters folded in, W + s * B @ A

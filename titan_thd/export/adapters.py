@@ -30,6 +30,18 @@ def check_exportable(run: Run) -> None:
         peft_tensors({}, run.lora, [], run.spec.hf.hf_module)
 
 
+def base_name(run: Run) -> str:
+    """adapter_config.json's base_model_name_or_path: the base folder (model.hf_path, by default the
+    one the checkpoint recorded, export/recorded.py); never null, which peft's AutoPeftModel cannot
+    follow. A seeded base has no folder: the string says what it is and how to get it."""
+    if run.cfg.model.hf_path:
+        return str(run.cfg.model.hf_path)
+    return (
+        f"titan_thd {run.cfg.model.name} flavor {run.flavor} drawn from training.seed = "
+        f"{run.cfg.training.seed} (no folder: write it with models/hf/export.py)"
+    )
+
+
 def write_peft(
     run: Run, opened: Opened, out_dir: str | Path, dtype: torch.dtype, progress: Progress | None = None
 ) -> tuple[Path, int, int]:
@@ -41,7 +53,7 @@ def write_peft(
     assert plan is not None  # open_checkpoint(adapters=True) refused a run without [lora]
     on_meta = {n: p for n, p in opened.meta.named_parameters() if is_adapter(n)}
     blocks = [f"layers.{i}" for i in opened.meta.layers]
-    config = adapter_config(plan, hf_module, base_model=run.cfg.model.hf_path)
+    config = adapter_config(plan, hf_module, base_model=base_name(run))
     layout = {b: peft_tensors(on_meta, plan, [b], hf_module) for b in blocks}  # NotExportable here
     entries = {name: (tuple(t.shape), dtype) for tensors in layout.values() for name, t in tensors.items()}
     out = Path(out_dir)

@@ -32,6 +32,7 @@ from titan_thd.export.merge import MergedExport, check_merge_dtype
 from titan_thd.export.released import release_encoder
 from titan_thd.models import MODEL_NAMES, get_model_spec, hf
 from titan_thd.models.hf.released import parse_block, write_release
+from titan_thd.models.hf.staging import refuse_overlap, staged
 from titan_thd.models.hf.to_dcp import save_dcp
 from titan_thd.models.hf.write import DcpExport
 from titan_thd.models.spec import ModelSpec
@@ -46,6 +47,12 @@ def _as_dtype(dtype: str | None) -> torch.dtype | None:
     return getattr(torch, dtype) if dtype else None
 
 
+def export_inputs(run: Run, src: Path, step_dir: Path) -> dict[str, Path | str | None]:
+    """What an export of a run's checkpoint reads, for `refuse_overlap`: the source as given (a run
+    folder names the run), its step folder, the base folder (model.hf_path; none for a seeded base)."""
+    return {"run folder": src, "checkpoint": step_dir, "base folder": run.cfg.model.hf_path or None}
+
+
 def run_to_hf(
     run: Run, src: Path, out: Path, dtype: str | None, max_shard_size: int, emit: Emit | None = None
 ) -> str:
@@ -56,6 +63,7 @@ def run_to_hf(
     check_merge_dtype(dtype, lora=run.lora is not None, released=True)  # FP8 / FP4: as the base stores them
     cfg = run.cfg
     opened = open_checkpoint(run, src)
+    refuse_overlap(out, export_inputs(run, src, opened.step_dir))
     progress = None
     if run.lora is not None:  # a merge can take minutes; a plain export copies tensors
         parts = len(opened.meta.state_dict())
@@ -65,12 +73,12 @@ def run_to_hf(
         tensors = DcpExport(opened.step_dir)
     # --dtype released: the base folder's own FP8 / FP4 format (export/released.py)
     encoder, extra = release_encoder(run, tensors) if dtype == "released" else (None, None)
-    with progress or contextlib.nullcontext():
+    with progress or contextlib.nullcontext(), staged(out) as tmp:
         hf.export(
             run.spec,
             tensors,
             run.model_args,
-            out,
+            tmp,
             None if encoder is not None else _as_dtype(dtype),
             tokenizer=run.tokenizer,
             tokenizer_source=None if cfg.data.tokenizer == "byte" else cfg.data.tokenizer,
@@ -95,11 +103,13 @@ def to_peft(src: Path, out: Path, dtype: str, open_run: Callable[[], Run], emit:
     run = open_run()
     check_exportable(run)
     opened = open_checkpoint(run, src, adapters=True)
+    refuse_overlap(out, export_inputs(run, src, opened.step_dir))
     blocks = len(opened.meta.layers)
     with Progress("to-peft: writing the adapters", blocks, "blocks", announce=False, emit=emit) as progress:
-        path, n, size = write_peft(run, opened, out, getattr(torch, dtype), progress)
+        with staged(out) as tmp:
+            _, n, size = write_peft(run, opened, tmp, getattr(torch, dtype), progress)
     return (
-        f"wrote {path} from checkpoint {opened.step_dir}: {n} adapter tensors ({size / 1e6:.1f} MB, {dtype})"
+        f"wrote {out} from checkpoint {opened.step_dir}: {n} adapter tensors ({size / 1e6:.1f} MB, {dtype})"
     )
 
 
@@ -121,6 +131,7 @@ def hf_family(hf_dir: Path) -> tuple[ModelSpec, hf.HFFolder]:
 
 def to_dcp(hf_dir: Path, out: Path, flavor: str | None) -> str:
     """An HF folder -> a DCP folder of the trainer's `model` entries, one tensor at a time."""
+    refuse_overlap(out, {"source folder": hf_dir})
     spec, folder = hf_family(hf_dir)
     if flavor is not None:
         if flavor not in spec.flavors:
@@ -129,8 +140,9 @@ def to_dcp(hf_dir: Path, out: Path, flavor: str | None) -> str:
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"{out} exists and is not empty")
     # One tensor at a time; what the folder lacks (transformers writes no MTP) is drawn from a seed.
-    n = save_dcp(spec, folder.args, folder, out, seed=int(torch.randint(2**62, ())))
-    shutil.copy(folder.config_file, out / "config.json")
+    with staged(out) as tmp:
+        n = save_dcp(spec, folder.args, folder, tmp, seed=int(torch.randint(2**62, ())))
+        shutil.copy(folder.config_file, tmp / "config.json")
     return f"wrote {out}: {n} model tensors, args {spec.hf.architecture(folder.args)}"
 
 
@@ -164,6 +176,7 @@ def dcp_to_hf(
             "--dtype released writes the format of a run's base folder: give the run's --config (model.hf_path "
             "a release-format folder), or write a folder in the release format with to-release"
         )
+    refuse_overlap(out, {"DCP folder": dcp_dir, "config": hf_config})
     if (flavor is None) == (hf_config is None):
         raise ValueError(
             "to-hf needs --config (the run's TOML: the model, and the tokenizer files to export), or for a "
@@ -209,7 +222,8 @@ def dcp_to_hf(
     if shapes:
         raise ValueError(f"{dcp_dir} does not have this architecture's shapes: " + "; ".join(shapes[:5]))
     check_merge_dtype(dtype, lora=False)
-    hf.export(spec, source, args, out, _as_dtype(dtype), max_shard_size=max_shard_size)
+    with staged(out) as tmp:
+        hf.export(spec, source, args, tmp, _as_dtype(dtype), max_shard_size=max_shard_size)
     files = sorted(p.name for p in out.iterdir() if p.suffix == ".safetensors")
     legacy_note = " (from per-expert entries)" if legacy else ""
     return f"wrote {out}: config.json + {len(files)} safetensors file(s){legacy_note}"
@@ -219,10 +233,12 @@ def to_release(hf_dir: Path, out: Path, block: str, max_shard_size: int) -> str:
     """Any HF folder -> the family's release format (FP8 / packed FP4, models/hf/released.py); the
     summary line and the encoder's report."""
     rows_cols = parse_block(block)
+    refuse_overlap(out, {"source folder": hf_dir})
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"{out} exists and is not empty")
     spec, folder = hf_family(hf_dir)
-    encoder = write_release(spec, folder, out, rows_cols, max_shard_size)
+    with staged(out) as tmp:
+        encoder = write_release(spec, folder, tmp, rows_cols, max_shard_size)
     size = sum(p.stat().st_size for p in out.glob("*.safetensors"))
     lines = [f"wrote {out} in the release format (FP8 blocks {block}, FP4 experts): {size / 1e6:.1f} MB"]
     return "\n".join(lines + list(encoder.report()))

@@ -17,6 +17,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from titan_thd.components.checkpoint_folder import META_FILE, PER_EXPERT_PARAM, write_meta
+from titan_thd.models.hf.staging import refuse_overlap, staged
 
 _PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(w[123])\.weight$")
 
@@ -75,6 +76,7 @@ def stack_checkpoint(src: Path, out: Path) -> str:
     the summary line."""
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
+    refuse_overlap(out, {"checkpoint": src})
     if not (src / META_FILE).is_file() or not (src / ".metadata").is_file():
         raise ValueError(f"{src}: not a trainer checkpoint folder (expected {META_FILE} and .metadata)")
     if out.exists() and any(out.iterdir()):
@@ -88,11 +90,10 @@ def stack_checkpoint(src: Path, out: Path) -> str:
         state: dict[str, Any] = _load_state_dict_from_keys(storage_reader=dcp.FileSystemReader(src))
     state["model"] = _stack_per_expert(state["model"])
     state["optimizer"] = _stack_optimizer(state["optimizer"])
-    out.mkdir(parents=True, exist_ok=True)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(out), no_dist=True)
     shapes = _stack_per_expert({k: torch.empty(v, device="meta") for k, v in params.items()})  # names, shapes
     fingerprint = meta["fingerprint"] | {"params": {k: list(v.shape) for k, v in shapes.items()}}
-    write_meta(out, meta["step"], meta["world_size"], fingerprint)
+    with staged(out) as tmp, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), no_dist=True)
+        write_meta(tmp, meta["step"], meta["world_size"], fingerprint)
     return f"wrote {out}: step {meta['step']}, {len(state['model'])} model tensors (experts stacked)"

@@ -18,10 +18,12 @@ import torch
 from titan_thd.components.progress import Progress
 from titan_thd.export.adapters import ADAPTER_CONFIG, ADAPTER_FILE
 from titan_thd.export.checkpoint import Opened, open_checkpoint
+from titan_thd.export.commands import export_inputs
 from titan_thd.export.merge import check_merge_dtype
 from titan_thd.lora import vllm
 from titan_thd.lora.targets import is_adapter
 from titan_thd.models.hf.io import SafetensorsFolder
+from titan_thd.models.hf.staging import refuse_overlap, staged
 from titan_thd.models.hf.write import DcpExport, SafetensorsFile
 from titan_thd.run import Run
 
@@ -104,9 +106,12 @@ def to_vllm(
     run = open_run()
     check_vllm(run)
     opened = open_checkpoint(run, src, adapters=True)
+    refuse_overlap(out, export_inputs(run, src, opened.step_dir))
     blocks = len(opened.meta.layers)
     with Progress(f"{vllm.FORMAT}: writing the adapters", blocks, "blocks", announce=False, emit=emit) as p:
-        path, n, size = write_vllm(run, opened, out, getattr(torch, dtype), p)
+        with staged(out) as tmp:
+            _, n, size = write_vllm(run, opened, tmp, getattr(torch, dtype), p)
+    path = out
     assert run.lora is not None
     command = vllm.serve_command(str(run.cfg.model.hf_path), str(out), out.name or "adapter", run.lora.rank)
     return (

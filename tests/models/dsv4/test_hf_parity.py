@@ -236,7 +236,7 @@ def test_convert_hf_dcp_round_trip(hf_dir, ours, tmp_path):
     )["model"]
     assert torch.equal(drawn["mtp.0.norm.weight"], torch.ones_like(drawn["mtp.0.norm.weight"]))
     assert abs(drawn["mtp.0.e_proj.weight"].std().item() / model.args.init_std - 1) < 0.1
-    assert convert.main(["to-hf", str(tmp_path / "dcp"), str(tmp_path / "x"), "--flavor", "micro"]) == 1
+    assert convert.main(["to-hf", str(tmp_path / "dcp"), str(tmp_path / "x"), "--flavor", "micro"]) == 2
 
 
 def test_the_hf_load_fills_a_built_model(hf_dir, ours):

@@ -126,4 +126,4 @@ def test_old_checkpoint_is_refused_then_converted_exactly(tmp_path, one_thread):
     assert _same(got, want), sorted(set(got["optimizer"]) ^ set(want["optimizer"]))[:8]
     fingerprint = json.loads((conv / "meta.json").read_text())["fingerprint"]
     assert fingerprint == json.loads((new / "meta.json").read_text())["fingerprint"]
-    assert convert_hf.main(["stack-experts", str(conv), str(tmp_path / "again")]) == 1  # already stacked
+    assert convert_hf.main(["stack-experts", str(conv), str(tmp_path / "again")]) == 2  # already stacked

@@ -37,7 +37,6 @@ DEFAULT_MAX_SHARD_SIZE = 5 * 10**9
 """Bytes per safetensors file, transformers' default ("5GB")."""
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
-_OUR_FILES = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
 
 
 def parse_size(text: str | int) -> int:
@@ -170,9 +169,8 @@ class ShardedWriter:
         self.size = 0
         self.files: list[tuple[Path, list[str]]] = []
         self.total = 0
-        for stale in out.iterdir():  # an earlier export's files would mix with this one's
-            if _OUR_FILES.match(stale.name) or stale.name == INDEX_FILE:
-                stale.unlink()
+        # `out` is a fresh folder (models/hf/staging.py `staged`): an earlier export's shards are
+        # replaced as a set when the new ones move in, and only then.
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         n = tensor.numel() * tensor.element_size()
