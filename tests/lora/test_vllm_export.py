@@ -263,13 +263,28 @@ def test_bad_inputs_are_one_line_and_write_nothing(run, tmp_path):
     assert name is not None
     cases = [
         (("--model.hf_path", other), "trained with other settings than the config's: lora.base"),
-        (("--model.hf_path", ""), "model.hf_path is empty: the run's base was drawn from training.seed"),
         (("--lora.enable", "false"), "the config has lora.enable = false"),
         (("--dtype", "float8_e4m3fn"), "expected float32 or bfloat16"),
     ]
     for i, (extra, message) in enumerate(cases):
         out = tmp_path / f"out{i}"
         rc, _, err = convert("to-vllm", folder, out, "--config", config, *extra)
-        assert rc == 1 and err.startswith("error: ") and err.count("\n") == 1, (extra, err)
+        assert rc == 2 and err.startswith("error: ") and err.count("\n") == 1, (extra, err)
         assert message in err, (message, err)
         assert not out.exists(), extra
+
+
+def test_a_base_drawn_from_the_seed_is_refused(run):
+    """A run trained without a base folder (model.hf_path empty) has nothing vLLM can load: refused
+    before the checkpoint is read (an empty --model.hf_path on the command line takes the recorded base)."""
+    from titan_thd.config import load_config
+    from titan_thd.export.vllm_adapters import check_vllm
+    from titan_thd.startup import resolve_run
+
+    _, config, _ = run
+    seeded = resolve_run(load_config(["--job.config_file", str(config), "--model.hf_path", ""]))
+    assert seeded.lora is not None and not seeded.cfg.model.hf_path
+    with pytest.raises(
+        ValueError, match=r"model.hf_path is empty: the run's base was drawn from training.seed"
+    ):
+        check_vllm(seeded)
