@@ -113,3 +113,43 @@ def test_the_readme_s_lora_chain_runs_as_written(tmp_path, monkeypatch):
         torch.set_num_threads(threads)
     peft_dir = tmp_path / "outputs" / "dsv4_flash_lora_peft"
     assert {p.name for p in peft_dir.iterdir()} >= {"adapter_config.json", "adapter_model.safetensors"}
+
+
+def test_the_readme_s_vllm_chain_runs_as_written_up_to_serving(tmp_path, monkeypatch):
+    """The README's vLLM block, run as written from a scratch folder on a micro dsv4 export: to-release
+    writes the base in the release's format, the LoRA recipe trains on it (2 steps), to-vllm writes the
+    adapters and prints the `vllm serve` line (serving itself needs vLLM on a GPU: not run here)."""
+    monkeypatch.chdir(tmp_path)
+    micro = dataclasses.replace(flavors["micro"], vocab_size=320)
+    torch.manual_seed(7)
+    export_hf(build_dsv4(micro), micro, tmp_path / "outputs" / "dsv4_flash_thd" / "hf")
+    (block,) = [b for b in blocks("bash") if "convert_hf.py to-vllm" in b]
+    release, train, to_vllm = [line for line in block.splitlines() if line.strip()]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        out = io.StringIO()
+        for line in (release, None, to_vllm):
+            if line is None:
+                args = shlex.split(train)
+                short = [
+                    "--training.steps",
+                    "2",
+                    "--training.global_batch_size",
+                    "4",
+                    "--metrics.peak_tflops",
+                    "1",
+                ]
+                assert train_main([*config_argv(args[2]), *args[3:], *short]) == 0
+                continue
+            python, path, *rest = shlex.split(line)
+            assert (python, path) == (".venv/bin/python", "scripts/convert_hf.py")
+            err = io.StringIO()
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                assert load_script("convert_hf.py").main(rest) == 0, err.getvalue()[-2000:]
+    finally:
+        torch.set_num_threads(threads)
+    adapters = tmp_path / "outputs" / "lora_release_vllm"
+    assert {p.name for p in adapters.iterdir()} == {"adapter_config.json", "adapter_model.safetensors"}
+    serve = next(line for line in out.getvalue().splitlines() if "vllm serve" in line)
+    assert "outputs/dsv4_flash_release" in serve and "--enable-lora" in serve and "--max-lora-rank" in serve
