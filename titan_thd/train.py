@@ -256,6 +256,7 @@ class Trainer:
             self.run.cfg.training.max_norm,
             pp_group=self.runner.pp_group,
             also_scale=self.runner.also_scale,
+            device=self.dist.device,
         )
 
     def log(

@@ -166,7 +166,7 @@ def _orthogonalise_stack(u: DTensor, steps: int, dtype: torch.dtype, owner_of) -
     elif len(split) == 1 and not isinstance(u.placements[split[0][0]], _StridedShard):
         (i, dim), mesh = split[0], u.device_mesh
         n, group = mesh.size(i), mesh.get_group(i)
-        rows = torch.arange(u.shape[dim])
+        rows = torch.arange(u.shape[dim], device=local.device)  # indexes the gathered update
         transposed = dim == 2
         piece = local.mT if transposed else local
         rows_r = [_chunk(rows, n, r) for r in range(n)]
@@ -217,7 +217,7 @@ def _row_layout(u: DTensor):
     mesh, (A, B) = u.device_mesh, u.shape
     if mesh.ndim == 1 and u.placements in ((Shard(0),), (Shard(1),)):
         transposed = u.placements == (Shard(1),)
-        n, rows = mesh.size(), torch.arange(B if transposed else A)
+        n, rows = mesh.size(), torch.arange(B if transposed else A, device=u.device)  # indexes the update
         return mesh.get_group(), [_chunk(rows, n, r) for r in range(n)], transposed, None
     if mesh.ndim != 2 or not isinstance(u.placements[0], Shard | _StridedShard) or u.placements[0].dim != 0:
         return None
@@ -227,9 +227,9 @@ def _row_layout(u: DTensor):
     n_f, n_t = mesh.size(0), mesh.size(1)
     t = mesh.get_local_rank(1)
     fsdp_group, tp_group = mesh.get_group(0), mesh.get_group(1)
-    rows = torch.arange(A)
+    rows = torch.arange(A, device=u.device)  # indexes the gathered update
     if tp_placement == Shard(1):  # FSDP rows of the full rows; the columns split over tp
-        cols_t = [len(_chunk(torch.arange(B), n_t, s)) for s in range(n_t)]
+        cols_t = [len(_chunk(torch.arange(B, device="cpu"), n_t, s)) for s in range(n_t)]  # lengths only
         f_rows = [_chunk(rows, n_f, f) for f in range(n_f)]
         return fsdp_group, f_rows, False, _TPGather(tp_group, 1, cols_t)
     # Colwise: tp rank s holds rows chunk_s(A); FSDP2 gives fsdp rank f chunk_f of those.

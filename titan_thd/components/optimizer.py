@@ -147,6 +147,7 @@ def clip_grad_norm_(
     max_norm: float,
     pp_group: torch.distributed.ProcessGroup | None = None,
     also_scale: Iterable[torch.Tensor] = (),
+    device: torch.device | str = "cpu",
 ) -> torch.Tensor:
     """Global L2 norm of all gradients (DTensor-aware); scale them to `max_norm` if it is > 0.
 
@@ -154,7 +155,8 @@ def clip_grad_norm_(
     and then combined. Pipeline stages add the other stages' squared norms over `pp_group`;
     `also_scale` are gradients that are clipped but not counted (a stage's copy of weights that
     another stage counts). The routed experts of an expert-parallel run are DTensors on the 2-D
-    (efsdp, ep) mesh: their norm is reduced over both, so every expert counts once.
+    (efsdp, ep) mesh: their norm is reduced over both, so every expert counts once. `device` holds
+    the zero norm of no gradients (a stage without any sends it to the pipeline's all-reduce).
     """
     by_mesh: dict[Any, list[torch.Tensor]] = defaultdict(list)
     for p in parameters:
@@ -165,14 +167,14 @@ def clip_grad_norm_(
         norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     if not norms and pp_group is None:
-        return torch.zeros(())
+        return torch.zeros((), device=device)
     # At least float32 (bf16 norms would round the clip factor); float64 stays float64 for parity runs.
     total = (
         torch.linalg.vector_norm(
             torch.stack([n.to(torch.promote_types(n.dtype, torch.float32)) for n in norms])
         )
         if norms
-        else torch.zeros(())
+        else torch.zeros((), device=device)
     )
     if pp_group is not None:
         squared = total.square()

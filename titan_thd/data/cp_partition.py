@@ -56,8 +56,10 @@ def zigzag_indices(cu_seqlens_padded: torch.Tensor, cp_size: int, cp_rank: int) 
     )
     start_C, size_C = start_C.reshape(-1), chunk_N.repeat_interleave(2)
     local_start_C = torch.cumsum(size_C, 0) - size_C
-    t = int(size_C.sum())
-    return torch.repeat_interleave(start_C - local_start_C, size_C, output_size=t) + torch.arange(t)
+    t, t_dev = int(size_C.sum()), size_C.device  # row indices stay with cu_seqlens (the host)
+    return torch.repeat_interleave(start_C - local_start_C, size_C, output_size=t) + torch.arange(
+        t, device=t_dev
+    )
 
 
 class HybridLayout(NamedTuple):
@@ -99,16 +101,20 @@ def hybrid_layout(seqlens: list[int], seqlens_padded: list[int], cp: int, thresh
 def hybrid_indices(cu_seqlens_padded: torch.Tensor, layout: HybridLayout, cp_rank: int) -> torch.Tensor:
     """[T / cp] int64 rows of the full microbatch that hybrid rank `cp_rank` holds, in order."""
     cup = cu_seqlens_padded.long()
-    cp = len(layout.whole)
+    cp, host = len(layout.whole), cup.device  # row indices stay with cu_seqlens (the host)
 
     def rows(docs: list[int]) -> torch.Tensor:
         if not docs:
-            return torch.zeros(0, dtype=torch.int64)
-        return torch.cat([torch.arange(int(cup[i]), int(cup[i + 1])) for i in docs])
+            return torch.zeros(0, dtype=torch.int64, device=host)
+        return torch.cat([torch.arange(int(cup[i]), int(cup[i + 1]), device=host) for i in docs])
 
     split_rows = rows(layout.split)
-    sizes = (cup[1:] - cup[:-1])[layout.split] if layout.split else torch.zeros(0, dtype=torch.int64)
-    zz = zigzag_indices(torch.cat([torch.zeros(1, dtype=torch.int64), sizes.cumsum(0)]), cp, cp_rank)
+    sizes = (
+        (cup[1:] - cup[:-1])[layout.split] if layout.split else torch.zeros(0, dtype=torch.int64, device=host)
+    )
+    zz = zigzag_indices(
+        torch.cat([torch.zeros(1, dtype=torch.int64, device=host), sizes.cumsum(0)]), cp, cp_rank
+    )
     placed = set(layout.split).union(*layout.whole)
     padding = [i for i in range(cup.numel() - 1) if i not in placed]
     start = sum(layout.filler[:cp_rank])
@@ -141,7 +147,8 @@ def partition(
     else:
         check_layout(cp=cp_size, mode=mode, T=T, where="T (training.tokens_per_microbatch)")
         local = T // cp_size
-        rows_t = torch.arange(cp_rank * local, (cp_rank + 1) * local)
+        # on the batch's device, like the other modes' rows (indices into its token fields)
+        rows_t = torch.arange(cp_rank * local, (cp_rank + 1) * local, device=batch.cu_seqlens_padded.device)
     local_tensors = {
         f: (getattr(batch, f)[rows_t] if getattr(batch, f) is not None else None) for f in TOKEN_FIELDS
     }

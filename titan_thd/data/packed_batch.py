@@ -79,8 +79,9 @@ class PackedBatch:
     def real_token_mask(self) -> torch.Tensor:
         """[T] bool over the full microbatch: True on real (non-padding) rows."""
         starts = self.cu_seqlens_padded[:-1].long()
-        doc = torch.repeat_interleave(torch.arange(self.num_docs), self.seqlens_padded.long())
-        offset = torch.arange(self.total_tokens) - starts[doc]
+        host = starts.device  # next to cu_seqlens
+        doc = torch.repeat_interleave(torch.arange(self.num_docs, device=host), self.seqlens_padded.long())
+        offset = torch.arange(self.total_tokens, device=host) - starts[doc]
         return offset < self.seqlens.long()[doc]
 
     # ------------------------------------------------------------------ utilities

@@ -107,7 +107,7 @@ def zigzag_plan(meta: BatchMeta) -> ZigzagPlan:
         )
     gathered_T = torch.cat(rows_per_rank)
     gather_order_T = torch.empty_like(gathered_T)
-    gather_order_T[gathered_T] = torch.arange(T)
+    gather_order_T[gathered_T] = torch.arange(T, device=gathered_T.device)  # host, moved below
     return ZigzagPlan(gather_order_T.to(meta.device), _runs(meta, meta.device))
 
 

@@ -32,7 +32,8 @@ class HybridPlan(NamedTuple):
 
 
 def _cu(lengths: list[int]) -> torch.Tensor:
-    return torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0).to(torch.int32)
+    # host metadata, like every BatchMeta's cu_seqlens
+    return torch.tensor([0, *lengths], dtype=torch.int64, device="cpu").cumsum(0).to(torch.int32)
 
 
 def hybrid_plan(meta: BatchMeta) -> HybridPlan:

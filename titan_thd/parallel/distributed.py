@@ -235,7 +235,8 @@ def _reduce(x: Number, mesh: DeviceMesh | None, op: dist.ReduceOp) -> Number:
     if isinstance(x, torch.Tensor):
         t = x.detach().clone()
     else:
-        t = torch.tensor(x, dtype=torch.int64 if isinstance(x, int) else torch.float64)
+        # a Python number starts on the host; NCCL gets it on its device below
+        t = torch.tensor(x, dtype=torch.int64 if isinstance(x, int) else torch.float64, device="cpu")
     if mesh.device_type == "cuda":
         t = t.to(collective_device())
     dist.all_reduce(t, op=op, group=mesh.get_group())

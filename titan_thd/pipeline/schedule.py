@@ -332,7 +332,9 @@ class PipelineSchedule:
             self._aux_keys = sorted({k for ks in keys for k in ks})
         zero = torch.zeros((), dtype=torch.float64, device=self.device)
         names = ["loss", *self._aux_keys]
-        packed = torch.stack([torch.as_tensor(sums.get(n, zero), dtype=torch.float64) for n in names])
+        packed = torch.stack(
+            [torch.as_tensor(sums.get(n, zero), dtype=torch.float64, device=self.device) for n in names]
+        )
         dist.all_reduce(packed, group=self.group)
         return packed[0], {n: packed[i] for i, n in enumerate(names) if i}
 

@@ -128,7 +128,7 @@ def _local_rows(meta: BatchMeta, args: DSv4Args, T_full: int) -> tuple[int, int,
     )
     local = T_full // cp.size
     lo, hi = cp.rank * local, (cp.rank + 1) * local
-    if meta.row_index is None or not torch.equal(meta.row_index.cpu(), torch.arange(lo, hi)):
+    if meta.row_index is None or not torch.equal(meta.row_index.cpu(), torch.arange(lo, hi, device="cpu")):
         raise ValueError(
             f"dsv4: CP rank {cp.rank} of {cp.size} must hold rows {lo}..{hi} of the microbatch (the contiguous "
             "split of titan_thd.data.cp_partition.partition); meta.row_index says otherwise"
@@ -151,12 +151,13 @@ def _compress_plan(
 ) -> CompressPlan:
     lo, hi, halo = rows
     key_lo = lo - halo
+    host = lens_N.device  # built where build_plan's inputs are (the host), moved to `device` at the end
     n_c_N = lens_N // m
-    cu_c_N = torch.cat([torch.zeros(1, dtype=torch.long), n_c_N.cumsum(0)])
+    cu_c_N = torch.cat([torch.zeros(1, dtype=torch.long, device=host), n_c_N.cumsum(0)])
     C = int(cu_c_N[-1])
-    doc_C = torch.repeat_interleave(torch.arange(len(n_c_N)), n_c_N, output_size=C)
-    w_C = torch.arange(C) - cu_c_N[doc_C]
-    own_CM = (starts_N[doc_C] + w_C * m)[:, None] + torch.arange(m)
+    doc_C = torch.repeat_interleave(torch.arange(len(n_c_N), device=host), n_c_N, output_size=C)
+    w_C = torch.arange(C, device=host) - cu_c_N[doc_C]
+    own_CM = (starts_N[doc_C] + w_C * m)[:, None] + torch.arange(m, device=host)
     last_C = own_CM[:, -1]
     mine_C = (last_C >= lo) & (last_C < hi)
     own_CM, w_mine = own_CM[mine_C] - key_lo, w_C[mine_C]
@@ -174,7 +175,7 @@ def _compress_plan(
         count_P = torch.bincount(owner_C, minlength=cp_size)
         assert int(count_P.max()) <= capacity, (count_P, capacity)
         first_P = torch.cumsum(count_P, 0) - count_P
-        gather_C = owner_C * capacity + torch.arange(C) - first_P[owner_C]
+        gather_C = owner_C * capacity + torch.arange(C, device=host) - first_P[owner_C]
     pos_C = w_mine * m
     cos_CR, sin_CR = cos_sin(pos_C, freq_R)
     return CompressPlan(
@@ -197,21 +198,24 @@ def build_plan(meta: BatchMeta, args: DSv4Args, dtype: torch.dtype) -> BatchPlan
     """Plan of this rank's rows of the microbatch described by `meta`, on `meta.device`."""
     cu = meta.cu_seqlens.long()
     cu_pad = meta.cu_seqlens_padded.long()
+    # The plan is index arithmetic on the host, next to cu_seqlens (BatchMeta keeps it on the CPU;
+    # int() / .tolist() of it cost no device sync), moved to meta.device once at the end.
+    host = cu_pad.device
     T_full = int(cu_pad[-1])
     lo, hi, halo = _local_rows(meta, args, T_full)
     lens_N, plens_N, starts_N = cu[1:] - cu[:-1], cu_pad[1:] - cu_pad[:-1], cu_pad[:-1]
-    doc_full = torch.repeat_interleave(torch.arange(len(plens_N)), plens_N, output_size=T_full)
-    pos_full = torch.arange(T_full) - starts_N[doc_full]
+    doc_full = torch.repeat_interleave(torch.arange(len(plens_N), device=host), plens_N, output_size=T_full)
+    pos_full = torch.arange(T_full, device=host) - starts_N[doc_full]
     doc_T, pos_T = doc_full[lo:hi], pos_full[lo:hi]
     if not torch.equal(pos_T.to(meta.device), meta.position_ids.long()):
         raise ValueError(
             "dsv4: position_ids do not restart at the document starts given by cu_seqlens_padded"
         )
     key_lo = lo - halo
-    window_TW = torch.arange(lo, hi)[:, None] + torch.arange(-args.window + 1, 1)
+    window_TW = torch.arange(lo, hi, device=host)[:, None] + torch.arange(-args.window + 1, 1, device=host)
     window_TW = torch.where(window_TW >= starts_N[doc_T][:, None], window_TW - key_lo, -1)
     # Rank 0's halo rows are zeros before row 0 that no query reads; any angle will do.
-    pos_R = pos_full[torch.arange(key_lo, hi).clamp(min=0)]
+    pos_R = pos_full[torch.arange(key_lo, hi, device=host).clamp(min=0)]
 
     rdt = rope_dtype(dtype)
     freq_main, freq_comp = inv_freq(args, False, rdt), inv_freq(args, True, rdt)

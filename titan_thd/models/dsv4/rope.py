@@ -25,7 +25,8 @@ def inv_freq(args: DSv4Args, compressed: bool, dtype: torch.dtype) -> torch.Tens
     base = args.compress_rope_theta if compressed else args.rope_theta
     # float32 exponent like the reference, so float32 models rotate bit-compatibly.
     exp_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-    wavelength_R = base ** (torch.arange(0, r, 2, dtype=exp_dtype) / r)
+    # On the host, where the plans that use them are built: the same bits whatever the compute device.
+    wavelength_R = base ** (torch.arange(0, r, 2, dtype=exp_dtype, device="cpu") / r)
     if not compressed or args.rope_factor == 1.0:
         return 1.0 / wavelength_R
 
@@ -37,7 +38,7 @@ def inv_freq(args: DSv4Args, compressed: bool, dtype: torch.dtype) -> torch.Tens
     high = min(math.ceil(correction_dim(args.rope_beta_slow)), r - 1)
     if low == high:
         high += 0.001
-    ramp_R = ((torch.arange(r // 2, dtype=exp_dtype) - low) / (high - low)).clamp(0, 1)
+    ramp_R = ((torch.arange(r // 2, dtype=exp_dtype, device="cpu") - low) / (high - low)).clamp(0, 1)
     keep_R = 1 - ramp_R
     return 1.0 / (args.rope_factor * wavelength_R) * (1 - keep_R) + 1.0 / wavelength_R * keep_R
 

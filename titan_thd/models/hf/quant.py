@@ -115,11 +115,12 @@ def byte_table(kind: str, dtype: torch.dtype, device: torch.device) -> torch.Ten
     """The value(s) of each byte: fp8 [256] (e4m3), fp4 [256, 2] (two e2m1 codes, low nibble first)."""
     key = (kind, dtype, device)
     if key not in _TABLES:
-        byte = torch.arange(256)
+        # Built on the host (exact values: no rounding anywhere) and copied to `device` once.
+        byte = torch.arange(256, device="cpu")
         if kind == "fp8":
             table = byte.to(torch.uint8).view(torch.float8_e4m3fn).to(dtype)
         else:
-            lut = torch.tensor(E2M1, dtype=dtype)
+            lut = torch.tensor(E2M1, dtype=dtype, device="cpu")
             table = torch.stack([lut[byte & 0xF], lut[byte >> 4]], dim=-1)
         _TABLES[key] = table.to(device)
     return _TABLES[key]
@@ -263,7 +264,9 @@ def scale_bytes(exps: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if dtype in (torch.float8_e8m0fnu, torch.uint8):
         return (exps + 127).to(torch.uint8).view(dtype)
     if dtype in (torch.float32, torch.bfloat16, torch.float64):
-        return torch.ldexp(torch.ones(exps.shape, dtype=torch.float32), exps.float()).to(dtype)
+        return torch.ldexp(torch.ones(exps.shape, dtype=torch.float32, device=exps.device), exps.float()).to(
+            dtype
+        )
     raise ValueError(f"a scale stored as {dtype} is not one this writer encodes (e8m0, uint8, float32, bf16)")
 
 
