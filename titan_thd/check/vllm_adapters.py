@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
-import math
 import os
 from pathlib import Path
 
@@ -28,7 +27,6 @@ from titan_thd.check.steps import Context, Outcome, Step
 
 RANK, ALPHA, NEW_TOKENS = 8, 16.0, 16
 TARGETS = ("attention", "shared_expert", "experts")
-_E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 
 
 def check_args(small: bool):
@@ -48,63 +46,17 @@ def check_args(small: bool):
     return spec, args
 
 
-def _pow2_scale(amax: torch.Tensor, top: float) -> torch.Tensor:
-    """The smallest power of two with amax / scale <= top (1 for an all-zero block)."""
-    return torch.exp2(torch.ceil(torch.log2(amax.clamp_min(torch.finfo(torch.float32).tiny) / top)))
+def write_release(spec, model: torch.nn.Module, args, out: Path) -> Path:
+    """`model` in DeepSeek's release format through the export's own encoder (`convert_hf.py
+    to-release`: reference names, FP8 128 x 128 blocks, packed FP4 routed experts, the release's
+    config.json and quantization_config), from its transformers export beside `out`."""
+    from titan_thd.export.commands import to_release
+    from titan_thd.models import hf
+    from titan_thd.models.hf.write import DEFAULT_MAX_SHARD_SIZE
 
-
-def fp8_blocks(w: torch.Tensor, b: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e4m3 codes, e8m0 scale grid [ceil(out / b), ceil(in / b)]): partial edge blocks as the loader reads."""
-    rows, cols = w.shape
-    R, C = math.ceil(rows / b), math.ceil(cols / b)
-    padded = torch.zeros(R * b, C * b)
-    padded[:rows, :cols] = w.abs()
-    scale = _pow2_scale(padded.view(R, b, C, b).amax((1, 3)), 448.0)
-    full = scale.repeat_interleave(b, 0)[:rows].repeat_interleave(b, 1)[:, :cols]
-    return (w / full).to(torch.float8_e4m3fn), scale.to(torch.float8_e8m0fnu)
-
-
-def fp4_packed(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int8 [out, in / 2], two e2m1 codes per byte with the even column in the low nibble; e8m0 scales
-    [out, in / 32]); each value to its nearest e2m1 magnitude."""
-    rows, cols = w.shape
-    blocks = w.view(rows, cols // 32, 32)
-    scale = _pow2_scale(blocks.abs().amax(-1), 6.0)
-    v = (blocks / scale[..., None]).view(rows, cols)
-    code = (v.abs()[..., None] - _E2M1).abs().argmin(-1) + 8 * (v < 0)
-    packed = (code[:, 0::2] | (code[:, 1::2] << 4)).to(torch.uint8).view(torch.int8)
-    return packed, scale.to(torch.float8_e8m0fnu)
-
-
-def write_release(model: torch.nn.Module, args, out: Path) -> Path:
-    """`model` in DeepSeek's release format: reference names, FP8 linears, packed FP4 routed experts,
-    the rest float32, config.json with `compress_ratios` and the release's quantization_config."""
-    from titan_thd.models.dsv4.hf_config import hf_config_from_args
-    from titan_thd.models.dsv4.hf_names import to_reference
-    from titan_thd.models.hf.write import ShardedWriter
-
-    out.mkdir(parents=True)
-    writer = ShardedWriter(out, 2 * 10**9)
-    for key, w in to_reference({k: v.float() for k, v in model.state_dict().items()}).items():
-        linear = key.endswith(".weight") and w.dim() == 2 and not key.endswith("ffn.gate.weight")
-        if not linear or key in ("embed.weight", "head.weight"):
-            writer.add(key, w.contiguous())
-            continue
-        codes, scale = fp4_packed(w) if ".experts." in key else fp8_blocks(w)
-        writer.add(key, codes)
-        writer.add(key.removesuffix("weight") + "scale", scale)
-    writer.close()
-    cfg = hf_config_from_args(args)
-    ratio = {"sliding": 0, "csa": args.csa_ratio, "hca": args.hca_ratio}
-    cfg["compress_ratios"] = [ratio[t] for t in args.layer_types] + [0] * args.mtp_layers
-    del cfg["layer_types"], cfg["compress_rates"]
-    cfg["quantization_config"] = {
-        "quant_method": "fp8",
-        "fmt": "e4m3",
-        "weight_block_size": [128, 128],
-        "scale_fmt": "ue8m0",
-    }
-    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    seeded = out.with_name(out.name + "_seeded_hf")
+    hf.export(spec, model, args, seeded)
+    to_release(seeded, out, "128x128", DEFAULT_MAX_SHARD_SIZE)
     return out
 
 
@@ -120,7 +72,7 @@ def prepare(work: Path, small: bool = False, seed: int = 0) -> dict[str, Path]:
     spec, args = check_args(small)
     model = spec.build(args)
     model.init_weights(seed)
-    paths = {"release": write_release(model, args, work / "release")}
+    paths = {"release": write_release(spec, model, args, work / "release")}
     dequantised = hf.load(spec, paths["release"])  # what both engines start from
     paths["hf"] = work / "hf"
     hf.export(spec, dequantised, dequantised.args, paths["hf"])
