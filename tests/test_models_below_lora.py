@@ -69,3 +69,15 @@ def test_checker_finds_upward_imports(tmp_path):
         "titan_thd/models/fam/b.py:2: titan_thd.lora.merge",
         "titan_thd/models/fam/c.py:1: titan_thd.lora",
     ]
+
+
+def test_no_type_only_imports():
+    """An `if TYPE_CHECKING:` import hides a loop between two modules instead of breaking it (issue 57:
+    the three in models/hf/ were a type-only loop between the spec and the HF package)."""
+    found = [
+        f"{p.relative_to(ROOT)}:{i}"
+        for p in sorted((ROOT / "titan_thd").rglob("*.py"))
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if line.strip().startswith("if TYPE_CHECKING")
+    ]
+    assert not found, found

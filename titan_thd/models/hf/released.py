@@ -29,16 +29,13 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from titan_thd.models.dsv4.hf_dequant import check_quantization_config, quantized_sources
+from titan_thd.models.hf.folder import HFFolder
 from titan_thd.models.hf.io import SafetensorsFolder
 from titan_thd.models.hf.quant import Format, decoded, encode, stored
-
-if TYPE_CHECKING:
-    from titan_thd.models.hf.folder import HFFolder
 
 
 @dataclass(frozen=True)
