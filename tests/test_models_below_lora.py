@@ -72,8 +72,8 @@ def test_checker_finds_upward_imports(tmp_path):
 
 
 def test_no_type_only_imports():
-    """An `if TYPE_CHECKING:` import hides a loop between two modules instead of breaking it (issue 57:
-    the three in models/hf/ were a type-only loop between the spec and the HF package)."""
+    """An `if TYPE_CHECKING:` import hides a loop between two modules instead of breaking it (the three
+    once in models/hf/ were a type-only loop between the spec and the HF package)."""
     found = [
         f"{p.relative_to(ROOT)}:{i}"
         for p in sorted((ROOT / "titan_thd").rglob("*.py"))
